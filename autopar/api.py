@@ -172,7 +172,8 @@ class ParallelizedFunction:
                 split, self.method, cluster, device_ids, fp=fp,
                 input_names=program.input_names, in_shapes=program.in_shapes,
                 out_shapes=program.out_shapes, batch_size=_micro_size(program, micro),
-                progress=self.progress)
+                progress=self.progress,
+                state_bytes_per_param_byte=_state_per_param_byte(program))
         else:
             plan = planner.search(program, self.method, cluster, device_ids, fp=fp,
                                   progress=self.progress)
@@ -191,6 +192,16 @@ class ParallelizedFunction:
                           if pos in self.donate_argnums]
                 entry.executable = emit(entry.traced.program.graph, entry.plan, mesh, donate)
         return entry.executable
+
+
+def _state_per_param_byte(program: planner.Program) -> float:
+    """Bytes of the step's state inputs (optimizer moments, counters, statistics) per byte
+    of its parameters (AdamW: 2)."""
+    total = {"param": 0, "state": 0}
+    for vid, role in zip(program.graph.invars, program.roles):
+        if role in total:
+            total[role] += program.graph.values[vid].nbytes
+    return total["state"] / total["param"] if total["param"] else 0.0
 
 
 def _micro_size(program: planner.Program, num_micro_batches: int) -> int | None:

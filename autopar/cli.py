@@ -99,7 +99,7 @@ def _zoo():
 
 def zoo_names() -> list[str]:
     zoo = _zoo()
-    return sorted(zoo.GPT_CONFIGS, key=_model_order) if zoo is not None else []
+    return sorted(zoo.CONFIGS, key=_model_order) if zoo is not None else []
 
 
 def _model_order(name: str) -> tuple:
@@ -140,15 +140,15 @@ def load_model(spec: str, batch: int | None) -> Model:
         return Model(spec, step, tuple(args), None)
     zoo = _zoo()
     names = zoo_names()
-    if zoo is None or spec not in zoo.GPT_CONFIGS:
+    if zoo is None or spec not in zoo.CONFIGS:
         known = ", ".join(names) if names else "(none: benchmarks/ is not installed)"
         raise UsageError(f"unknown model {spec!r}: give a built-in model ({known}) or "
                          f"package.module:function returning (train_step, example_args)")
-    cfg = zoo.GPT_CONFIGS[spec]
     if batch is None:
-        batch = 1024 if cfg.seq >= 1024 else 64  # Alpa's GPT batch; a small one for the toy
+        # Alpa's global batches (1536 for Wide-ResNet, 1024 otherwise); a small one for toys.
+        batch = 64 if spec.endswith("-toy") else 1536 if spec.startswith("wrn") else 1024
     step, args = zoo.train_step_and_args(spec, batch)
-    return Model(f"{spec} (batch {batch})", step, tuple(args), zoo.gpt_flops_per_step(cfg, batch))
+    return Model(f"{spec} (batch {batch})", step, tuple(args), zoo.flops_per_step(spec, batch))
 
 
 # ---- plan ------------------------------------------------------------------------------------
@@ -504,6 +504,33 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    if _zoo() is None:
+        raise UsageError("autopar bench needs a source checkout: benchmarks/ is not installed")
+    if args.suite == "toy":
+        from autopar import demo
+
+        demo.use_cpu_devices()  # first: before anything can start a JAX backend
+        from benchmarks import toy
+
+        rows = toy.run(out_dir=pathlib.Path(args.output_dir) if args.output_dir else toy.RESULTS)
+        bad = [f"{r['model']}/{r['strategy']}" for r in rows if not r["equal"]]
+        if bad:
+            print(f"autopar: results differ from the single-device step: {', '.join(bad)}",
+                  file=sys.stderr)
+            return 1
+        return 0
+    from benchmarks import suite
+
+    if args.cluster is None:
+        raise UsageError(f"autopar bench {args.suite} needs --cluster (e.g. 8x8xV100-16GB)")
+    kw = {"max_devices": args.max_devices}
+    if args.output_dir:
+        kw["out_dir"] = pathlib.Path(args.output_dir)
+    suite.run(args.suite, load_cluster(args.cluster), **kw)
+    return 0
+
+
 def cmd_demo(args) -> int:
     from autopar import demo
 
@@ -529,7 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(PipeshardParallel) when --micro-batches > 1 or the cluster has more than one host, "
         "else shard (ShardParallel).")
     p.add_argument("model", metavar="MODEL",
-                   help="a built-in model (gpt-toy, gpt-125m ... gpt-39b) or "
+                   help="a built-in model (gpt-125m ... gpt-39b, moe-380m ... moe-70b, "
+                        "wrn-250m ... wrn-6.8b, and gpt-toy, moe-toy, wrn-toy) or "
                         "package.module:function returning (train_step, example_args); "
                         "args may be jax.ShapeDtypeStructs")
     p.add_argument("--cluster", required=True,
@@ -574,6 +602,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="few sizes and repeats")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_profile)
+
+    p = sub.add_parser(
+        "bench", help="benchmark suites: autopar against hand-written strategies",
+        description="Weak-scaling suites of the Alpa paper (gpt, moe, wrn) priced on a "
+        "cluster preset for data parallel, ZeRO-2/3, Megatron TP+DP, the best manual 3-D "
+        "plan and autopar; writes benchmarks/results/<suite>-<cluster>.md/.json/.png. "
+        "'toy' runs every strategy for real on 8 emulated CPU devices and checks the results "
+        "against the single-device step.")
+    p.add_argument("suite", choices=("gpt", "moe", "wrn", "toy"))
+    p.add_argument("--cluster", default=None,
+                   help="a preset (the suites were written for '8x8xV100-16GB' and "
+                        "'4x8xH100-80GB') or a cluster JSON")
+    p.add_argument("--max-devices", type=_positive_int, default=None, metavar="N",
+                   help="only the cases with at most N devices")
+    p.add_argument("--output-dir", default=None, metavar="DIR",
+                   help="where to write results (default benchmarks/results)")
+    p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("demo", help="plan and train a tiny GPT on 8 emulated CPU devices",
                        description="On 8 emulated CPU devices: plan a tiny GPT automatically, "

@@ -58,9 +58,25 @@ class SplitStep:
     def marker_eqn(self):
         return self.step.jaxpr.eqns[self.marker]
 
+    @property
+    def remat(self) -> bool:
+        """Whether the loss function rematerializes (`jax.checkpoint` / `nn.remat`) anywhere:
+        the pipeline then rematerializes every stage."""
+        return _has_remat(self.forward.jaxpr)
+
     def forward_graph(self) -> Graph:
         """F flattened, with pipeline boundary markers kept in place."""
         return Graph.from_jaxpr(self.forward, keep=frozenset({pipeline_boundary_p.name}))
+
+
+def _has_remat(jaxpr: jcore.Jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("remat2", "checkpoint"):
+            return True
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            if _has_remat(sub):
+                return True
+    return False
 
 
 def split(step: jcore.ClosedJaxpr, batch_positions: set[int]) -> SplitStep:

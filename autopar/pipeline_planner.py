@@ -1,6 +1,10 @@
 """Plan search for pipelines: layering, per-layer intra-op pricing, the stage DP, and a
 final intra-op pass per chosen stage (DESIGN §5).
 
+Gradients are priced as accumulated over micro-batches and reduced once per step (Alpa,
+Megatron-LM and DeepSpeed do so): a layer's parameter-gradient reduction counts 1/B per
+micro-batch (`_Priced.amortized_s`).  The runtime today still reduces them per micro-batch.
+
 A layer range's cost on a sub-mesh is the sum of its layers' costs, each the cheapest
 intra-op plan of that layer's forward+backward over the sub-mesh's logical shapes (layers
 with the same program text share one solve).  The stage DP (passes.inter_op) then picks
@@ -43,6 +47,13 @@ class _Priced:
     memory_bytes: float
     mesh: MeshContext
     input_specs: tuple[Spec, ...]
+    grad_sync_s: float = 0.0
+    residual_bytes: float = 0.0
+
+    def amortized_s(self, num_micro_batches: int) -> float:
+        """Seconds per micro-batch when gradients are accumulated locally and reduced once
+        per step: the parameter-gradient reduction is paid once, not per micro-batch."""
+        return self.cost_s - self.grad_sync_s * (1.0 - 1.0 / num_micro_batches)
 
 
 def diff_values(split: pipeline.SplitStep, graph: Graph) -> set[int]:
@@ -67,22 +78,35 @@ def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
                 cluster: ClusterSpec, submesh: tuple[int, int], *, solver: str,
                 time_limit_s: float, batch_size: int | None,
                 forced_batch_axis: bool = False,
-                shapes: Sequence[tuple[int, ...]] | None = None
-                ) -> dict[tuple[int, ...], _Priced]:
+                shapes: Sequence[tuple[int, ...]] | None = None,
+                input_rule: Callable[[int, MeshContext], Spec | None] | None = None,
+                remat: bool = False) -> dict[tuple[int, ...], _Priced]:
     """Intra-op plans of one layer range's forward+backward on a sub-mesh, one per logical
-    mesh shape (`shapes`, default: 1-D and every 2-D factorization)."""
-    fn = StageFunction.build(graph, program, diff)
+    mesh shape (`shapes`, default: 1-D and every 2-D factorization).
+
+    `input_rule(vid, mesh)` may force the spec of a range input (F value id `vid`);
+    None leaves it to the search.  Each result carries `grad_sync_s`, the part of its cost
+    that reduces parameter gradients over the batch-split axes (see `_grad_sync_s`)."""
+    fn = StageFunction.build(graph, program, diff, remat=remat)
     vals = graph.values
     avals = lambda ids: [jax.ShapeDtypeStruct(vals[v].shape, vals[v].dtype) for v in ids]
     closed = jax.make_jaxpr(fn.forward_backward)(avals(fn.diff_ids), avals(fn.nondiff_ids),
                                                  avals(fn.float_outs))
     fb = Graph.from_jaxpr(closed)
-    position = {vid: k for k, vid in enumerate(list(fn.diff_ids) + list(fn.nondiff_ids))}
+    f_ids = list(fn.diff_ids) + list(fn.nondiff_ids)
+    position = {vid: k for k, vid in enumerate(f_ids)}
+    params = {graph.invars[j] for j in range(len(graph.invars))} & set(fn.diff_ids)
     sub = cluster.with_devices(*submesh)
+    per_micro_inputs = {fb.invars[k] for k, vid in enumerate(f_ids) if vid not in params}
     out = {}
     for shape in shapes or logical_shapes(submesh):
         mesh = MeshContext.build(shape, sub)
         forced = {}
+        if input_rule is not None:
+            for pos, vid in enumerate(fb.invars[:len(position)]):
+                spec = input_rule(f_ids[pos], mesh)
+                if spec is not None:
+                    forced[vid] = spec
         if forced_batch_axis and batch_size:
             for pos, vid in enumerate(fb.invars):
                 v = fb.values[vid]
@@ -92,20 +116,80 @@ def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
         res = intra_op.run(fb, mesh, forced=forced, batch_size=batch_size, solver=solver,
                            time_limit_s=time_limit_s)
         specs = tuple(res.value_specs[fb.invars[position[vid]]] for vid in program.inputs)
-        out[shape] = _Priced(res.cost_s, res.memory_bytes, mesh, specs)
+        grads = [(fb.values[op], spec) for op, spec, vid in zip(
+            fb.outvars[-len(fn.diff_ids):] if fn.diff_ids else [],
+            res.out_specs[-len(fn.diff_ids):] if fn.diff_ids else [], fn.diff_ids)
+            if vid in params and isinstance(op, int)]
+        batch_axes = _batch_axes(fb, res.value_specs, batch_size, len(position))
+        out[shape] = _Priced(res.cost_s, res.memory_bytes, mesh, specs,
+                             min(res.comm_s, _grad_sync_s(grads, batch_axes, mesh)),
+                             _residual_bytes(fb, res.value_specs,
+                                             len(fn.float_outs) + len(fn.int_outs),
+                                             per_micro_inputs, mesh))
     return out
 
 
-def _cheapest(options: dict[tuple[int, ...], _Priced]) -> _Priced:
-    return min(options.values(), key=lambda p: p.cost_s)
+def _residual_bytes(fb: Graph, specs, num_primal_outs: int, kept_inputs: set[int],
+                    mesh: MeshContext) -> float:
+    """Bytes per device the forward keeps for the backward (one micro-batch in flight):
+    values produced up to the forward's last output (the first `num_primal_outs` outputs),
+    and the per-micro-batch inputs `kept_inputs`, that are read after it, each at its
+    chosen layout.  Values a rematerialized stage recomputes are produced after that point,
+    so they do not count."""
+    producers = [fb.values[op].producer for op in fb.outvars[:num_primal_outs]
+                 if isinstance(op, int) and fb.values[op].producer is not None]
+    start = max(producers) + 1 if producers else 0
+    residuals = {op for e in fb.eqns[start:] for op in e.inputs if isinstance(op, int)
+                 and (op in kept_inputs or fb.values[op].producer is not None
+                      and fb.values[op].producer < start)}
+    return float(sum(fb.values[v].nbytes / mesh.shards(specs[v]) if v in specs
+                     else fb.values[v].nbytes for v in residuals))
+
+
+def _batch_axes(fb: Graph, specs, batch_size: int | None, num_inputs: int) -> tuple[str, ...]:
+    """Mesh axes splitting dim 0 of the first input whose dim 0 is the micro-batch."""
+    for vid in fb.invars[:num_inputs]:
+        v = fb.values[vid]
+        if batch_size and v.shape and v.shape[0] == batch_size and vid in specs:
+            return tuple(specs[vid][0])
+    return ()
+
+
+def _grad_sync_s(grads, batch_axes: Sequence[str], mesh: MeshContext) -> float:
+    """Seconds to reduce parameter gradients over the batch-split axes: a reduce-scatter
+    over the axes the gradient's own layout splits, an all-reduce over the rest.
+
+    `grads`: (value, spec) of each parameter gradient.  The ILP prices this inside every
+    micro-batch; a runtime that accumulates gradients before reducing them pays it once.
+    """
+    total = 0.0
+    for value, spec in grads:
+        nbytes = value.nbytes / mesh.shards(spec)
+        used = mesh.axes_used(spec)
+        scatter = [a for a in batch_axes if a in used]
+        reduce = [a for a in batch_axes if a not in used]
+        total += mesh.all_reduce_s(nbytes, reduce)
+        if scatter:
+            total += mesh.reduce_scatter_s(nbytes * mesh.dim_shards(scatter), scatter)
+    return total
+
+
+def _cheapest(options: dict[tuple[int, ...], _Priced], micro: int) -> _Priced:
+    return min(options.values(), key=lambda p: p.amortized_s(micro))
 
 
 def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParallel,
            cluster: ClusterSpec, device_ids: Sequence[int], *, fp: str,
            input_names: Sequence[str], in_shapes: Sequence[tuple[int, ...]],
            out_shapes: Sequence[tuple[int, ...]], batch_size: int | None,
-           progress: Callable[[str], None] | None = None) -> Plan:
+           progress: Callable[[str], None] | None = None,
+           state_bytes_per_param_byte: float = 0.0) -> Plan:
     """Finds stages, sub-meshes and per-stage shardings for a split step.
+
+    A stage's memory per device (checked against the budget) is `stage_memory_bytes`:
+    its layers' forward+backward peaks, the optimizer state (`state_bytes_per_param_byte`
+    x its parameter bytes per device, laid out like the parameters), and the residuals of
+    the micro-batches 1F1B keeps in flight.
 
     `progress(message)` is called at each phase boundary (layering, each layer ILP, stage
     DP, each stage ILP); the seconds of each phase are in the plan's `solver["phases_s"]`.
@@ -114,6 +198,7 @@ def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParall
     phases: dict[str, float] = {}
     graph = split.forward_graph()
     diff = diff_values(split, graph)
+    params = {graph.invars[j] for j in split.diff_inputs}
     n = len(device_ids)
     hosts = cluster.num_hosts if n == cluster.num_devices else 1
     per_host = n // hosts
@@ -169,13 +254,15 @@ def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParall
                          f"sub-mesh {submesh}")
             layer_cache[key] = price_stage(graph, prog, diff, cluster, submesh,
                                            forced_batch_axis=manual, shapes=fixed_shape,
+                                           remat=split.remat,
                                            **layer_kw)
         return layer_cache[key]
 
-    def layer_cost(layer: int, submesh: tuple[int, int]) -> _Priced:
-        return _cheapest(layer_options(layer, submesh))
-
     micro = method.num_micro_batches
+
+    def layer_cost(layer: int, submesh: tuple[int, int]) -> _Priced:
+        return _cheapest(layer_options(layer, submesh), micro)
+
     t_phase = time.perf_counter()
     if manual:
         per = n // method.pp
@@ -194,9 +281,14 @@ def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParall
 
         def stage_cost(i: int, j: int, s: int) -> float | None:
             priced = [layer_cost(layer, submeshes[s]) for layer in range(i, j + 1)]
-            if sum(p.memory_bytes for p in priced) > budget:
+            # The stage's position is not known here: assume as many stages in flight as
+            # stages of this size would fill the devices.
+            in_flight = max(1, n // (submeshes[s][0] * submeshes[s][1]))
+            if stage_memory_bytes(priced, [layer_programs[k] for k in range(i, j + 1)],
+                                  params, graph, micro, in_flight,
+                                  state_bytes_per_param_byte) > budget:
                 return None
-            return sum(p.cost_s for p in priced)
+            return sum(p.amortized_s(micro) for p in priced)
 
         result = inter_op.run(lay.num_layers, submeshes, stage_cost, num_devices=n,
                               num_micro_batches=micro,
@@ -215,16 +307,18 @@ def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParall
         # layers mostly preferred): the stage inputs take the specs of the layer reading
         # them first; time and memory add up over the layers.
         members = range(layers[0], layers[1] + 1)
-        shape = _preferred_shape([layer_cost(layer, submesh) for layer in members])
+        shape = _preferred_shape([layer_cost(layer, submesh) for layer in members], micro)
         start, stop = ranges[layers[0]][0], ranges[layers[1]][1]
         prog = pipeline.program_for_range(graph, start, stop)
         wanted = set(prog.inputs)
         specs: dict[int, Spec] = {}
-        cost = memory = 0.0
-        for layer in members:
-            priced = layer_options(layer, submesh)[shape]
-            cost += priced.cost_s
-            memory += priced.memory_bytes
+        cost = 0.0
+        members_priced = [layer_options(layer, submesh)[shape] for layer in members]
+        memory = stage_memory_bytes(members_priced, [layer_programs[k] for k in members], params,
+                                    graph, micro, len(choice) - len(stages),
+                                    state_bytes_per_param_byte)
+        for layer, priced in zip(members, members_priced):
+            cost += priced.amortized_s(micro)
             for vid, spec in zip(layer_programs[layer].inputs, priced.input_specs):
                 if vid in wanted:
                     specs.setdefault(vid, spec)
@@ -251,12 +345,28 @@ def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParall
         stages=tuple(stages), num_micro_batches=micro, schedule=method.schedule)
 
 
-def _preferred_shape(priced: Sequence[_Priced]) -> tuple[int, ...]:
+def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
+                       params: set[int], graph: Graph, micro: int, in_flight: int,
+                       state_bytes_per_param_byte: float) -> float:
+    """Bytes per device of a stage made of these layer solutions: forward+backward peaks
+    (their gradient outputs double as the accumulator: gradients are added in place, as
+    Megatron-LM's main_grad) + optimizer state + (in-flight − 1) x residuals."""
+    param_bytes: dict[int, float] = {}
+    for p, prog in zip(priced, programs):
+        for vid, spec in zip(prog.inputs, p.input_specs):
+            if vid in params:
+                param_bytes.setdefault(vid, graph.values[vid].nbytes / p.mesh.shards(spec))
+    held = sum(param_bytes.values())
+    return (sum(p.memory_bytes for p in priced) + state_bytes_per_param_byte * held
+            + (min(in_flight, micro) - 1) * sum(p.residual_bytes for p in priced))
+
+
+def _preferred_shape(priced: Sequence[_Priced], micro: int) -> tuple[int, ...]:
     """The logical mesh shape with the largest share of the layers' predicted time."""
     weight: dict[tuple[int, ...], float] = {}
     for p in priced:
         shape = p.mesh.shape
-        weight[shape] = weight.get(shape, 0.0) + p.cost_s
+        weight[shape] = weight.get(shape, 0.0) + p.amortized_s(micro)
     return max(weight, key=weight.get)
 
 
@@ -293,9 +403,8 @@ def _best_split(num_layers: int, shapes: list[tuple[int, int]],
     best, best_cost = None, math.inf
     for cuts in itertools.combinations(range(1, num_layers), k - 1):
         edges = (0, *cuts, num_layers)
-        times = [sum(layer_cost(layer, shapes[s]).cost_s for layer in range(edges[s],
-                                                                                edges[s + 1]))
-                 for s in range(k)]
+        times = [sum(layer_cost(layer, shapes[s]).amortized_s(micro)
+                     for layer in range(edges[s], edges[s + 1])) for s in range(k)]
         cost = sum(times) + (micro - 1) * max(times)
         if cost < best_cost:
             best_cost = cost

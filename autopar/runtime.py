@@ -60,15 +60,20 @@ class StageFunction:
     nondiff_ids: tuple[int, ...]
     float_outs: tuple[int, ...]
     int_outs: tuple[int, ...]
+    remat: bool = False
 
     @staticmethod
-    def build(graph: Graph, program: StageProgram, diff_values: set[int]) -> StageFunction:
+    def build(graph: Graph, program: StageProgram, diff_values: set[int],
+              remat: bool = False) -> StageFunction:
+        """`remat`: the forward keeps only the stage inputs and the backward recomputes the
+        stage (`jax.checkpoint`) — the step's own `jax.checkpoint`/`nn.remat` boundaries are
+        gone once F is flattened, so pipelines rematerialize per stage instead."""
         values = graph.values
         diff = tuple(v for v in program.inputs if v in diff_values and _is_float(values[v].dtype))
         return StageFunction(
             graph, program, diff, tuple(v for v in program.inputs if v not in diff),
             tuple(v for v in program.outputs if _is_float(values[v].dtype)),
-            tuple(v for v in program.outputs if not _is_float(values[v].dtype)))
+            tuple(v for v in program.outputs if not _is_float(values[v].dtype)), remat)
 
     def __call__(self, diff: Sequence[Any], nondiff: Sequence[Any]):
         env = dict(zip(self.diff_ids, diff))
@@ -78,7 +83,8 @@ class StageFunction:
 
     def forward(self, diff: Sequence[Any], nondiff: Sequence[Any]):
         """(float outputs, vjp function holding the residuals, integer outputs)."""
-        return jax.vjp(lambda *d: self(d, nondiff), *diff, has_aux=True)
+        fun = lambda *d: self(d, nondiff)
+        return jax.vjp(jax.checkpoint(fun) if self.remat else fun, *diff, has_aux=True)
 
     def forward_backward(self, diff: Sequence[Any], nondiff: Sequence[Any],
                          cts: Sequence[Any]):
@@ -140,8 +146,8 @@ class PipelineRuntime:
         self.f_is_batch = [v in batch_vars for v in self.f_source]
         diff_values = {self.f_inputs[j] for j in split.diff_inputs}
         produced = {o for prog, _, _ in stages for i in prog.eqns for o in graph.eqns[i].outputs}
-        self.stages = [StageRunner(StageFunction.build(graph, prog, diff_values | produced),
-                                   mesh, specs)
+        self.stages = [StageRunner(StageFunction.build(graph, prog, diff_values | produced,
+                                                       remat=split.remat), mesh, specs)
                        for prog, mesh, specs in stages]
         self.stage_of_value = {o: s for s, st in enumerate(self.stages)
                                for i in st.program.eqns for o in graph.eqns[i].outputs}

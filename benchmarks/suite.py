@@ -1,0 +1,267 @@
+"""Weak-scaling suites: autopar against hand-written strategies on a cluster preset (issue 6).
+
+    python -m benchmarks suite gpt --cluster 8x8xV100-16GB
+    autopar bench gpt --cluster 4x8xH100-80GB
+
+Per case (devices → model, the Alpa paper's automatic suites) the strategies are: data
+parallel, ZeRO-2, ZeRO-3, Megatron-style tensor parallel within a host + data parallel
+across, the best manual 3-D plan of a grid over (dp, tp, pp, micro-batches), autopar
+intra-op only (one stage over all devices) and autopar PipeshardParallel.  Every strategy
+is priced by the same step model (`benchmarks.layouts`); a hand-written strategy takes the
+fastest micro-batch count that fits memory; autopar uses the best manual plan's count.
+
+Writes benchmarks/results/<suite>-<cluster>.md, .json and a throughput chart .png.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+
+import autopar
+from autopar.cost_model import ClusterSpec
+from autopar.cost_model.jsonio import write_json_atomic
+from benchmarks import zoo
+from benchmarks.layouts import Evaluation, Layout, Pricer, best_fitting, grid_3d, micro_candidates
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+SUITES: dict[str, tuple[int, list[tuple[int, str]]]] = {
+    "gpt": (1024, [(1, "gpt-350m"), (2, "gpt-760m"), (4, "gpt-1.3b"), (8, "gpt-2.6b"),
+                   (16, "gpt-6.7b"), (32, "gpt-15b"), (64, "gpt-39b")]),
+    "moe": (1024, [(1, "moe-380m"), (2, "moe-690m"), (4, "moe-1.3b"), (8, "moe-2.4b"),
+                   (16, "moe-10b"), (32, "moe-27b"), (64, "moe-70b")]),
+    "wrn": (1536, [(1, "wrn-250m"), (2, "wrn-500m"), (4, "wrn-1b"), (8, "wrn-2b"),
+                   (16, "wrn-4b"), (32, "wrn-6.8b")]),
+}
+STRATEGIES = ("dp", "zero2", "zero3", "megatron", "3d", "autopar-shard", "autopar")
+LABELS = {"dp": "Data parallel", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
+          "megatron": "Megatron TP+DP", "3d": "Best manual 3-D", "autopar-shard":
+          "autopar intra-op", "autopar": "autopar (pipeshard)"}
+# Micro-batch counts tried per hand-written (dp, tp, pp): powers of 4 keep the grid small.
+MICRO_STEP = 4
+
+
+def case_cluster(cluster: ClusterSpec, devices: int) -> ClusterSpec:
+    """The first `devices` devices of `cluster`: part of one host, or whole hosts."""
+    per = cluster.devices_per_host
+    if devices <= per:
+        return cluster.with_devices(1, devices)
+    if devices % per or devices > cluster.num_devices:
+        raise ValueError(f"{devices} devices do not fit {cluster.name} as whole hosts")
+    return cluster.with_devices(devices // per, per)
+
+
+def _micro(global_batch: int, dp: int, pp: int, max_micro: int) -> list[int]:
+    cands = micro_candidates(global_batch, dp, pp, max_micro)
+    return [b for b in cands if round(math.log(b, MICRO_STEP), 6).is_integer()
+            or b == cands[0]]
+
+
+def baseline_layouts(devices: int, devices_per_host: int, num_layers: int,
+                     global_batch: int, max_micro: int = 1024) -> dict[str, list[Layout]]:
+    """Candidate layouts of every hand-written strategy for one case."""
+    n = devices
+    tp = min(n, devices_per_host)
+    out = {
+        "dp": [Layout("dp", n, 1, 1, b, "replicated") for b in _micro(global_batch, n, 1,
+                                                                       max_micro)],
+        "zero2": [Layout("zero2", n, 1, 1, b, "replicated", zero_state=True, zero_gather=True)
+                  for b in _micro(global_batch, n, 1, max_micro)],
+        "zero3": [Layout("zero3", n, 1, 1, b, "zero3", zero_state=True)
+                  for b in _micro(global_batch, n, 1, max_micro)],
+        "megatron": [Layout("megatron", n // tp, tp, 1, b, "tensor")
+                     for b in _micro(global_batch, n // tp, 1, max_micro)],
+        "3d": [Layout("3d", dp, t, pp, b, "tensor")
+               for dp, t, pp in grid_3d(n, devices_per_host, num_layers, global_batch,
+                                        max_micro)
+               for b in _micro(global_batch, dp, pp, max_micro)],
+    }
+    return out
+
+
+def _autopar(pricer: Pricer, step, args, cluster: ClusterSpec, method,
+             micro: int) -> tuple[Evaluation, dict]:
+    """Plans with autopar, then prices the plan with the suite's step model."""
+    t0 = time.perf_counter()
+    plan = autopar.plan(step, *args, cluster=cluster, method=method)
+    seconds = time.perf_counter() - t0
+    w = pricer.workload(micro)
+    if plan.solver.get("layers") != len(w.layers):
+        raise RuntimeError(f"{pricer.model}: autopar layered F into {plan.solver.get('layers')} "
+                           f"layers, the suite's workload into {len(w.layers)}")
+    stages = [(st.layers, st.mesh_shape) for st in plan.stages]
+    ev = pricer.evaluate(Layout("autopar", 0, 0, len(stages), micro, "auto"), stages)
+    phases = {"trace + " + k if k == "layering" else k: round(v, 2)
+              for k, v in plan.solver.get("phases_s", {}).items()}
+    return ev, {"search_s": round(seconds, 2), "phases_s": phases,
+                "planner_step_s": plan.predicted.step_s}
+
+
+def run_case(devices: int, model: str, global_batch: int, cluster: ClusterSpec,
+             strategies=STRATEGIES, progress: Callable[[str], None] | None = None) -> dict:
+    """Every strategy on one case; returns a JSON-able row."""
+    sub = case_cluster(cluster, devices)
+    pricer = Pricer(model, global_batch, sub, progress=progress)
+    num_layers = len(pricer.workload(_micro(global_batch, 1, 1, 1024)[0]).layers)
+    flops = zoo.flops_per_step(model, global_batch)
+    row: dict = {"devices": devices, "model": model, "params": zoo.param_count(model),
+                 "flops_per_step": flops, "layers": num_layers, "strategies": {}}
+    layouts = baseline_layouts(devices, sub.devices_per_host, num_layers, global_batch)
+    best_baseline: Evaluation | None = None
+    for name in strategies:
+        t0 = time.perf_counter()
+        solves0 = pricer.solves
+        extra: dict = {}
+        if name in layouts:
+            best, evals = best_fitting(pricer, layouts[name])
+            extra["tried"] = len(evals)
+            if best is None and evals:
+                best = min(evals, key=lambda e: e.memory_bytes)
+            if best is not None and not best.oom and (
+                    best_baseline is None or best.step_s < best_baseline.step_s):
+                best_baseline = best
+        else:
+            micro = best_baseline.layout.micro if best_baseline else _micro(
+                global_batch, 1, 1, 1024)[-1]
+            step, args = zoo.train_step_and_args(model, global_batch)
+            if name == "autopar-shard":
+                method = autopar.PipeshardParallel(
+                    num_micro_batches=micro, num_stages=1,
+                    submesh_shapes=((sub.num_hosts, sub.devices_per_host),))
+            else:
+                method = autopar.PipeshardParallel(num_micro_batches=micro)
+            best, extra = _autopar(pricer, step, args, sub, method, micro)
+        seconds = time.perf_counter() - t0
+        entry = {"pricing_s": round(seconds, 2), "layer_solves": pricer.solves - solves0,
+                 **extra}
+        if best is not None:
+            entry.update(best.to_json())
+            entry["tflops_per_device"] = (flops / best.step_s / devices / 1e12
+                                          if not best.oom else None)
+        row["strategies"][name] = entry
+        if progress:
+            progress(f"{model}: {name} done")
+    fitting = [row["strategies"][s]["step_s"] for s in ("dp", "zero2", "zero3", "megatron", "3d")
+               if s in row["strategies"] and not row["strategies"][s].get("oom", True)]
+    row["best_baseline_s"] = min(fitting) if fitting else None
+    auto = row["strategies"].get("autopar", {})
+    row["ratio"] = (auto["step_s"] / row["best_baseline_s"]
+                    if row["best_baseline_s"] and not auto.get("oom", True) else None)
+    return row
+
+
+def _fmt_cell(entry: dict) -> str:
+    if "step_s" not in entry:
+        return "—"
+    if entry["oom"]:
+        return f"OOM ({entry['memory_bytes'] / 2**30:.0f} GiB)"
+    return f"{entry['step_s']:.2f} s · {entry['tflops_per_device']:.1f}"
+
+
+def markdown(suite: str, cluster: ClusterSpec, rows: list[dict], wall_s: float) -> str:
+    mem = cluster.memory_bytes / 2**30
+    lines = [f"# Suite `{suite}` on `{cluster.name}`", "",
+             f"Predicted iteration time and model TFLOP/s per device (FLOPs: "
+             f"`benchmarks.zoo.flops_per_step` — Narayanan et al. SC'21 eq. 3 for GPT, the same "
+             f"counting for MoE and Wide-ResNet); OOM: over the {mem:.0f} GiB of a device. "
+             f"Step model and strategies: `benchmarks/layouts.py`, `benchmarks/suite.py`. "
+             f"One run on this 2-core machine, {wall_s / 60:.1f} min in all.", "",
+             "| devices | model | " + " | ".join(LABELS[s] for s in STRATEGIES)
+             + " | autopar / best baseline |",
+             "|---" * (len(STRATEGIES) + 3) + "|"]
+    for r in rows:
+        cells = [_fmt_cell(r["strategies"].get(s, {})) for s in STRATEGIES]
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "—"
+        lines.append(f"| {r['devices']} | {r['model']} | " + " | ".join(cells) + f" | {ratio} |")
+    lines += ["", "Chosen layouts (dp x tp x pp, micro-batches) and memory per device:", "",
+              "| devices | model | " + " | ".join(LABELS[s] for s in STRATEGIES) + " |",
+              "|---" * (len(STRATEGIES) + 2) + "|"]
+    for r in rows:
+        cells = []
+        for s in STRATEGIES:
+            e = r["strategies"].get(s, {})
+            if "step_s" not in e:
+                cells.append("—")
+            elif s.startswith("autopar"):
+                st = "; ".join(f"{x['layers'][0]}-{x['layers'][1]}:{x['mesh']}"
+                               for x in e["stages"])
+                cells.append(f"{st} B={e['micro']} {e['memory_bytes'] / 2**30:.1f} GiB")
+            else:
+                cells.append(f"{e['dp']}x{e['tp']}x{e['pp']} B={e['micro']} "
+                             f"{e['memory_bytes'] / 2**30:.1f} GiB")
+        lines.append(f"| {r['devices']} | {r['model']} | " + " | ".join(cells) + " |")
+    lines += ["", "Search / pricing time (s; autopar: its own search by phase):", "",
+              "| devices | model | hand-written pricing | autopar intra-op search | "
+              "autopar search | autopar phases |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        st = r["strategies"]
+        hand = sum(st[s]["pricing_s"] for s in ("dp", "zero2", "zero3", "megatron", "3d")
+                   if s in st)
+        a = st.get("autopar", {})
+        phases = ", ".join(f"{k} {v}" for k, v in a.get("phases_s", {}).items())
+        lines.append(f"| {r['devices']} | {r['model']} | {hand:.1f} | "
+                     f"{st.get('autopar-shard', {}).get('search_s', '—')} | "
+                     f"{a.get('search_s', '—')} | {phases} |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(suite: str, cluster: ClusterSpec, rows: list[dict], path: pathlib.Path) -> None:
+    """Throughput per strategy across scale (the Alpa paper's Figure 7 layout)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    width = 0.8 / len(STRATEGIES)
+    xs = range(len(rows))
+    for k, s in enumerate(STRATEGIES):
+        vals = [(r["strategies"].get(s, {}).get("tflops_per_device") or 0.0) for r in rows]
+        ax.bar([x + k * width for x in xs], vals, width, label=LABELS[s])
+        for x, r in zip(xs, rows):
+            if r["strategies"].get(s, {}).get("oom"):
+                ax.text(x + k * width, 0, "×", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks([x + 0.4 - width / 2 for x in xs])
+    ax.set_xticklabels([f"{r['devices']}\n{r['model']}" for r in rows], fontsize=7)
+    ax.set_ylabel("predicted model TFLOP/s per device")
+    ax.set_title(f"{suite} weak scaling on {cluster.name} (× = out of memory)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(suite: str, cluster_name: str, *, out_dir: pathlib.Path = RESULTS,
+        max_devices: int | None = None, progress: Callable[[str], None] | None = None) -> dict:
+    """Runs a suite on a preset and writes <suite>-<cluster>.md/.json/.png."""
+    if suite not in SUITES:
+        raise ValueError(f"unknown suite {suite!r}; known: {sorted(SUITES)} (and 'toy')")
+    cluster = ClusterSpec.preset(cluster_name) if isinstance(cluster_name, str) else cluster_name
+    batch, cases = SUITES[suite]
+    t0 = time.perf_counter()
+    rows = []
+    for devices, model in cases:
+        if devices > cluster.num_devices or (max_devices and devices > max_devices):
+            continue
+        t_case = time.perf_counter()
+        row = run_case(devices, model, batch, cluster, progress=progress)
+        row["case_s"] = round(time.perf_counter() - t_case, 1)
+        rows.append(row)
+        print(f"[{time.perf_counter() - t0:7.1f}s] {devices} x {model}: ratio "
+              f"{row['ratio']}", file=sys.stderr, flush=True)
+    wall = time.perf_counter() - t0
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"{suite}-{cluster.name}"
+    text = markdown(suite, cluster, rows, wall)
+    result = {"suite": suite, "cluster": cluster.to_json(), "global_batch": batch,
+              "wall_s": round(wall, 1), "rows": rows}
+    write_json_atomic(stem.with_suffix(".json"), result)
+    tmp = stem.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    tmp.replace(stem.with_suffix(".md"))
+    chart(suite, cluster, rows, stem.with_suffix(".png"))
+    print(text)
+    return result
