@@ -1,0 +1,169 @@
+"""The benchmark harness (issue 6): FLOP formulas, hand-written layouts and their grid
+search, the step model's memory terms, suite output, and the toy suite's real runs."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from autopar.cost_model import ClusterSpec
+from autopar.graph import Graph
+from autopar.passes.sharding_spec import MeshContext
+from benchmarks import layouts, suite, toy, zoo
+from benchmarks.workload import Workload
+
+
+def _forward_flops(cfg, batch: int) -> float:
+    """FLOPs of the model's forward as autopar's graph counts them (every equation)."""
+    if isinstance(cfg, zoo.WRNConfig):
+        model = zoo.WideResNet(cfg)
+        x = jax.ShapeDtypeStruct((batch, cfg.image, cfg.image, 3), jnp.float32)
+        v = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                              jnp.zeros((1, cfg.image, cfg.image, 3))))
+        f = lambda v, x: model.apply(v, x, mutable=["batch_stats"])[0]
+    else:
+        model = zoo.GPT(cfg) if isinstance(cfg, zoo.GPTConfig) else zoo.MoE(cfg)
+        x = jax.ShapeDtypeStruct((batch, cfg.seq), jnp.int32)
+        v = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                              jnp.zeros((1, cfg.seq), jnp.int32)))
+        f = model.apply
+    return Graph.from_jaxpr(jax.make_jaxpr(f)(v, x)).total_flops()
+
+
+@pytest.mark.parametrize("cfg,rule,batch,tol", [
+    (zoo.GPTConfig(512, 2, 8, vocab=2048, seq=256, remat=False), zoo.gpt_flops_per_step, 4, 0.02),
+    (zoo.MoEConfig(512, 2, 4, heads=8, vocab=2048, seq=256, group=256, remat=False),
+     zoo.moe_flops_per_step, 4, 0.02),
+    (zoo.WRNConfig(16, 2, image=64, classes=64, remat=False), zoo.wrn_flops_per_step, 2, 0.05),
+])
+def test_flop_formula_matches_the_traced_forward(cfg, rule, batch, tol):
+    # Formulas count matmuls/convolutions only; the graph also counts elementwise ops.
+    counted = 3 * _forward_flops(cfg, batch)
+    assert rule(cfg, batch) == pytest.approx(counted, rel=tol)
+    assert rule(cfg, batch) <= counted
+
+
+def test_gpt_formula_is_narayanan_eq3():
+    cfg = zoo.GPT_CONFIGS["gpt-1.3b"]
+    b, s, layers, h, v = 1024, 1024, 24, 2048, 51200
+    assert zoo.gpt_flops_per_step(cfg, b) == 72 * b * s * layers * h * h * (
+        1 + s / (6 * h) + v / (12 * layers * h))
+
+
+@pytest.mark.parametrize("name,billions", [("gpt-39b", 39.1), ("moe-380m", 0.38),
+                                           ("moe-70b", 70.4), ("wrn-250m", 0.25),
+                                           ("wrn-6.8b", 6.7)])
+def test_zoo_parameter_counts_match_the_names(name, billions):
+    assert zoo.param_count(name) / 1e9 == pytest.approx(billions, rel=0.03)
+
+
+def test_flops_per_step_rejects_unknown_model():
+    with pytest.raises(ValueError, match="unknown model 'gpt-1t'"):
+        zoo.flops_per_step("gpt-1t", 8)
+
+
+def test_grid_and_micro_batch_candidates():
+    assert layouts.micro_candidates(16, dp=2, pp=2) == [2, 4, 8]
+    assert layouts.micro_candidates(16, dp=1, pp=1, max_micro=4) == [1, 2, 4]
+    grid = layouts.grid_3d(8, devices_per_host=4, num_layers=4, global_batch=16)
+    assert all(dp * tp * pp == 8 and tp <= 4 and pp <= 4 for dp, tp, pp in grid)
+    assert (8, 1, 1) in grid and (2, 4, 1) in grid and (1, 2, 4) in grid
+    assert (1, 8, 1) not in grid  # tensor parallel stays inside a host
+    assert (1, 1, 8) not in grid  # more stages than layers
+
+
+def test_tensor_parallel_rule():
+    mesh = MeshContext.build((2, 4), ClusterSpec.preset("8xA100-80GB"))
+    rule = layouts.param_rule("tensor")
+    assert rule("['arg0']['params']['Block_0']['Dense_0']['kernel']", (64, 256), mesh) == \
+        ((), ("y",))
+    assert rule("['arg0']['params']['Block_0']['Dense_1']['kernel']", (256, 64), mesh) == \
+        (("y",), ())
+    assert rule("['arg0']['params']['MoEFFN_0']['wi']", (8, 64, 512), mesh) == \
+        (("y",), (), ())
+    assert rule("['arg0']['params']['Conv_0']['kernel']", (3, 3, 16, 32), mesh) == \
+        ((), (), (), ("y",))
+    assert rule("['arg0']['params']['LayerNorm_0']['scale']", (64,), mesh) == ((),)
+    assert layouts.param_rule("zero3")("w", (6, 8), mesh) == ((), ("x",))
+    with pytest.raises(ValueError, match="unknown parameter rule 'megatron'"):
+        layouts.param_rule("megatron")
+
+
+@pytest.fixture(scope="module")
+def toy_pricer():
+    cluster = ClusterSpec.preset("8xA100-80GB").with_devices(1, 4)
+    return layouts.Pricer("gpt-toy", 16, cluster)
+
+
+def test_stage_remat_keeps_only_stage_inputs(toy_pricer):
+    """The zoo's blocks use nn.remat; the planner rematerializes per stage, so a middle
+    layer keeps only its input activations for the backward."""
+    w = toy_pricer.workload(2)
+    assert w.split.remat
+    p = toy_pricer.layer(w, 1, (2, 2), "replicated")
+    act = [v for v in w.layers[1].inputs if v not in w.param_ids]
+    kept = sum(w.value_bytes(v) for v in act)
+    assert 0 < p.residual_bytes <= kept
+
+
+def test_best_fitting_takes_the_fastest_layout_that_fits(toy_pricer):
+    cands = [layouts.Layout("3d", dp, tp, pp, b, "tensor")
+             for dp, tp, pp in [(4, 1, 1), (2, 2, 1), (1, 2, 2)] for b in (2, 4)]
+    best, evals = layouts.best_fitting(toy_pricer, cands)
+    assert best is not None and not best.oom
+    assert best.step_s == min(e.step_s for e in evals if not e.oom)
+    assert all(e.step_s > 0 and e.memory_bytes > 0 for e in evals)
+    # A device too small for anything: nothing fits.
+    tiny = layouts.Pricer("gpt-toy", 16, dataclasses.replace(
+        toy_pricer.cluster, memory_bytes=1e3))
+    tiny._cache = toy_pricer._cache
+    none, evals = layouts.best_fitting(tiny, cands[:2])
+    assert none is None and all(e.oom for e in evals)
+
+
+def test_zero_state_is_split_over_dp(toy_pricer):
+    dp = toy_pricer.evaluate(layouts.Layout("dp", 4, 1, 1, 2, "replicated"))
+    z2 = toy_pricer.evaluate(layouts.Layout("zero2", 4, 1, 1, 2, "replicated",
+                                            zero_state=True, zero_gather=True))
+    assert z2.memory_bytes < dp.memory_bytes
+    assert z2.step_s > dp.step_s  # the parameter all-gather after the update
+
+
+def test_suite_writes_markdown_json_and_chart(tmp_path, monkeypatch):
+    monkeypatch.setitem(suite.SUITES, "tiny", (16, [(1, "gpt-toy"), (2, "gpt-toy")]))
+    result = suite.run("tiny", "8xA100-80GB", out_dir=tmp_path)
+    stem = tmp_path / "tiny-8xA100-80GB"
+    data = json.loads(stem.with_suffix(".json").read_text())
+    assert [r["devices"] for r in data["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert set(row["strategies"]) == set(suite.STRATEGIES)
+        assert row["ratio"] is not None and row["ratio"] <= 1.0 + 1e-6
+        assert row["strategies"]["autopar"]["phases_s"]
+    text = stem.with_suffix(".md").read_text()
+    assert "| 2 | gpt-toy |" in text and "autopar / best baseline" in text
+    assert stem.with_suffix(".png").stat().st_size > 1000
+
+
+def test_suite_rejects_unknown_suite():
+    with pytest.raises(ValueError, match="unknown suite 'bert'"):
+        suite.run("bert", "8xA100-80GB")
+
+
+def test_toy_runs_match_the_single_device_step():
+    rows = toy.run_model("gpt-toy", strategies=("megatron", "3d"))
+    assert [r["strategy"] for r in rows] == ["megatron", "3d"]
+    for r in rows:
+        assert r["equal"], r
+        assert r["collective_bytes"] or r["stages"] > 1
+        assert r["memory_bytes"] > 0
+
+
+def test_workload_names_and_layers():
+    w = Workload.build("moe-toy", 16, 4)
+    assert w.micro_batch == 4 and len(w.layers) >= 2
+    assert any("wi" in w.names[v] for v in w.param_ids)
+    assert w.state_bytes_per_param_byte == pytest.approx(2.0, rel=1e-3)
+    with pytest.raises(ValueError, match="not divisible into 3 micro-batches"):
+        Workload.build("moe-toy", 16, 3)
