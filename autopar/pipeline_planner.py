@@ -3,7 +3,8 @@ final intra-op pass per chosen stage (DESIGN §5).
 
 Gradients are priced as accumulated over micro-batches and reduced once per step (Alpa,
 Megatron-LM and DeepSpeed do so): a layer's parameter-gradient reduction counts 1/B per
-micro-batch (`_Priced.amortized_s`).  The runtime today still reduces them per micro-batch.
+micro-batch (`_Priced.amortized_s`), and so does the stage's optimizer update
+(`update_time_s`).  The runtime today still reduces gradients per micro-batch.
 
 A layer range's cost on a sub-mesh is the sum of its layers' costs, each the cheapest
 intra-op plan of that layer's forward+backward over the sub-mesh's logical shapes (layers
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 import jax
 
 from autopar.cost_model import ClusterSpec
+from autopar.cost_model.compute import compute_time_s
 from autopar.graph import Graph
 from autopar.passes import inter_op, intra_op, layering
 from autopar.passes.sharding_spec import MeshContext, Spec
@@ -284,11 +286,13 @@ def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParall
             # The stage's position is not known here: assume as many stages in flight as
             # stages of this size would fill the devices.
             in_flight = max(1, n // (submeshes[s][0] * submeshes[s][1]))
-            if stage_memory_bytes(priced, [layer_programs[k] for k in range(i, j + 1)],
-                                  params, graph, micro, in_flight,
+            progs = [layer_programs[k] for k in range(i, j + 1)]
+            if stage_memory_bytes(priced, progs, params, graph, micro, in_flight,
                                   state_bytes_per_param_byte) > budget:
                 return None
-            return sum(p.amortized_s(micro) for p in priced)
+            update = update_time_s(held_param_bytes(priced, progs, params, graph),
+                                   state_bytes_per_param_byte, cluster)
+            return sum(p.amortized_s(micro) for p in priced) + update / micro
 
         result = inter_op.run(lay.num_layers, submeshes, stage_cost, num_devices=n,
                               num_micro_batches=micro,
@@ -345,18 +349,34 @@ def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParall
         stages=tuple(stages), num_micro_batches=micro, schedule=method.schedule)
 
 
+def held_param_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
+                     params: set[int], graph: Graph) -> float:
+    """Parameter bytes per device of a stage made of these layer solutions (a parameter
+    read by several layers counts once, at the layout of the first)."""
+    param_bytes: dict[int, float] = {}
+    for p, prog in zip(priced, programs):
+        for vid, spec in zip(prog.inputs, p.input_specs):
+            if vid in params:
+                param_bytes.setdefault(vid, graph.values[vid].nbytes / p.mesh.shards(spec))
+    return sum(param_bytes.values())
+
+
+def update_time_s(param_bytes: float, state_bytes_per_param_byte: float,
+                  cluster: ClusterSpec) -> float:
+    """Seconds of the optimizer update over `param_bytes` of parameters on one device:
+    memory-bound — read parameters, gradients and state, write parameters and state
+    (~3 FLOPs per byte of parameter, AdamW's dozen per float32 element)."""
+    nbytes = param_bytes * (3 + 2 * state_bytes_per_param_byte)
+    return compute_time_s(3 * param_bytes, nbytes, "float32", cluster)
+
+
 def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
                        params: set[int], graph: Graph, micro: int, in_flight: int,
                        state_bytes_per_param_byte: float) -> float:
     """Bytes per device of a stage made of these layer solutions: forward+backward peaks
     (their gradient outputs double as the accumulator: gradients are added in place, as
     Megatron-LM's main_grad) + optimizer state + (in-flight − 1) x residuals."""
-    param_bytes: dict[int, float] = {}
-    for p, prog in zip(priced, programs):
-        for vid, spec in zip(prog.inputs, p.input_specs):
-            if vid in params:
-                param_bytes.setdefault(vid, graph.values[vid].nbytes / p.mesh.shards(spec))
-    held = sum(param_bytes.values())
+    held = held_param_bytes(priced, programs, params, graph)
     return (sum(p.memory_bytes for p in priced) + state_bytes_per_param_byte * held
             + (min(in_flight, micro) - 1) * sum(p.residual_bytes for p in priced))
 

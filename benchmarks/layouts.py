@@ -36,9 +36,9 @@ import math
 import re
 from collections.abc import Callable, Sequence
 
-from autopar.cost_model import ClusterSpec, compute
+from autopar.cost_model import ClusterSpec
 from autopar.passes.sharding_spec import MeshContext, Spec, replicated
-from autopar.pipeline_planner import _Priced, price_stage
+from autopar.pipeline_planner import _Priced, price_stage, update_time_s
 from benchmarks.baselines import megatron_dim
 from benchmarks.workload import Workload
 
@@ -245,10 +245,7 @@ class Pricer:
         dp = mesh_shape[0] if layout.zero_state and layout.params != "zero3" else 1
         state = w.state_bytes_per_param_byte * params / dp
         memory = fb_peak + (min(in_flight, layout.micro) - 1) * residuals + state
-        # AdamW: read parameter, gradient and two moments, write three: ~7 words per
-        # parameter element held, ~12 FLOPs each.
-        elems = params / dp / 4
-        update = compute.compute_time_s(12 * elems, 7 * 4 * elems, "float32", self.cluster)
+        update = update_time_s(params / dp, w.state_bytes_per_param_byte, self.cluster)
         if layout.zero_gather and dp > 1:
             update += mesh.all_gather_s(params, ("x",))
         return StageCost(layers, math.prod(mesh_shape), mesh_shape, per_micro, sync, update,
