@@ -82,13 +82,19 @@ def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
                 forced_batch_axis: bool = False,
                 shapes: Sequence[tuple[int, ...]] | None = None,
                 input_rule: Callable[[int, MeshContext], Spec | None] | None = None,
-                remat: bool = False) -> dict[tuple[int, ...], _Priced]:
+                remat: bool = False, num_micro_batches: int = 1
+                ) -> dict[tuple[int, ...], _Priced]:
     """Intra-op plans of one layer range's forward+backward on a sub-mesh, one per logical
     mesh shape (`shapes`, default: 1-D and every 2-D factorization).
 
     `input_rule(vid, mesh)` may force the spec of a range input (F value id `vid`);
     None leaves it to the search.  Each result carries `grad_sync_s`, the part of its cost
-    that reduces parameter gradients over the batch-split axes (see `_grad_sync_s`)."""
+    that reduces parameter gradients over the batch-split axes (see `_grad_sync_s`).
+
+    With `num_micro_batches` B > 1 the ILP already discounts the communication of the
+    matmuls producing parameter gradients by 1/B (gradients accumulate locally and are
+    reduced once per step), so it chooses layouts for the amortized cost; `cost_s` is then
+    per micro-batch with the reduction amortized, and `grad_sync_s` is 0."""
     fn = StageFunction.build(graph, program, diff, remat=remat)
     vals = graph.values
     avals = lambda ids: [jax.ShapeDtypeStruct(vals[v].shape, vals[v].dtype) for v in ids]
@@ -100,6 +106,10 @@ def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
     params = {graph.invars[j] for j in range(len(graph.invars))} & set(fn.diff_ids)
     sub = cluster.with_devices(*submesh)
     per_micro_inputs = {fb.invars[k] for k, vid in enumerate(f_ids) if vid not in params}
+    grad_outs = [op for op, vid in zip(fb.outvars[len(fb.outvars) - len(fn.diff_ids):],
+                                       fn.diff_ids) if vid in params and isinstance(op, int)]
+    scale = ({i: 1.0 / num_micro_batches for i in _gradient_matmuls(fb, grad_outs)}
+             if num_micro_batches > 1 and fn.diff_ids else {})
     out = {}
     for shape in shapes or logical_shapes(submesh):
         mesh = MeshContext.build(shape, sub)
@@ -116,7 +126,7 @@ def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
                         and batch_size % shape[0] == 0:
                     forced[vid] = ((mesh.axes[0],),) + ((),) * (v.ndim - 1)
         res = intra_op.run(fb, mesh, forced=forced, batch_size=batch_size, solver=solver,
-                           time_limit_s=time_limit_s)
+                           time_limit_s=time_limit_s, comm_scale=scale)
         specs = tuple(res.value_specs[fb.invars[position[vid]]] for vid in program.inputs)
         grads = [(fb.values[op], spec) for op, spec, vid in zip(
             fb.outvars[-len(fn.diff_ids):] if fn.diff_ids else [],
@@ -124,6 +134,7 @@ def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
             if vid in params and isinstance(op, int)]
         batch_axes = _batch_axes(fb, res.value_specs, batch_size, len(position))
         out[shape] = _Priced(res.cost_s, res.memory_bytes, mesh, specs,
+                             0.0 if scale else
                              min(res.comm_s, _grad_sync_s(grads, batch_axes, mesh)),
                              _residual_bytes(fb, res.value_specs,
                                              len(fn.float_outs) + len(fn.int_outs),
@@ -146,6 +157,32 @@ def _residual_bytes(fb: Graph, specs, num_primal_outs: int, kept_inputs: set[int
                       and fb.values[op].producer < start)}
     return float(sum(fb.values[v].nbytes / mesh.shards(specs[v]) if v in specs
                      else fb.values[v].nbytes for v in residuals))
+
+
+_LAYOUT_ONLY = frozenset({"convert_element_type", "reshape", "transpose", "copy", "copy_p",
+                          "squeeze", "expand_dims", "reduce_precision", "broadcast_in_dim"})
+
+
+def _gradient_matmuls(fb: Graph, grads: Sequence[int]) -> set[int]:
+    """Indices of the matmuls/convolutions producing the parameter gradients `grads`,
+    found by walking back through layout-only equations and sums of gradients."""
+    out: set[int] = set()
+    stack = list(grads)
+    seen: set[int] = set()
+    while stack:
+        vid = stack.pop()
+        if vid in seen:
+            continue
+        seen.add(vid)
+        k = fb.values[vid].producer
+        if k is None:
+            continue
+        e = fb.eqns[k]
+        if e.name in ("dot_general", "conv_general_dilated"):
+            out.add(k)
+        elif e.name in _LAYOUT_ONLY or e.name in ("add", "add_any"):
+            stack.extend(op for op in e.inputs if isinstance(op, int))
+    return out
 
 
 def _batch_axes(fb: Graph, specs, batch_size: int | None, num_inputs: int) -> tuple[str, ...]:
@@ -257,6 +294,7 @@ def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParall
             layer_cache[key] = price_stage(graph, prog, diff, cluster, submesh,
                                            forced_batch_axis=manual, shapes=fixed_shape,
                                            remat=split.remat,
+                                           num_micro_batches=method.num_micro_batches,
                                            **layer_kw)
         return layer_cache[key]
 

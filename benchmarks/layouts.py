@@ -185,7 +185,8 @@ class Pricer:
             priced = price_stage(w.graph, w.layers[layer], w.diff, self.cluster, submesh,
                                  solver="auto", time_limit_s=LAYER_TIME_LIMIT_S,
                                  batch_size=w.micro_batch, shapes=[mesh_shape],
-                                 input_rule=input_rule, remat=w.split.remat)
+                                 input_rule=input_rule, remat=w.split.remat,
+                                 num_micro_batches=w.num_micro_batches)
             self._cache[key] = priced[mesh_shape]
         return self._cache[key]
 

@@ -98,7 +98,7 @@ def _autopar(pricer: Pricer, step, args, cluster: ClusterSpec, method,
     phases = {"trace + " + k if k == "layering" else k: round(v, 2)
               for k, v in plan.solver.get("phases_s", {}).items()}
     return ev, {"search_s": round(seconds, 2), "phases_s": phases,
-                "planner_step_s": plan.predicted.step_s}
+                "planner_step_s": plan.predicted.step_s, "plan": plan.to_json()}
 
 
 def run_case(devices: int, model: str, global_batch: int, cluster: ClusterSpec,
@@ -206,6 +206,24 @@ def markdown(suite: str, cluster: ClusterSpec, rows: list[dict], wall_s: float) 
         lines.append(f"| {r['devices']} | {r['model']} | {hand:.1f} | "
                      f"{st.get('autopar-shard', {}).get('search_s', '—')} | "
                      f"{a.get('search_s', '—')} | {phases} |")
+    audited = [r for r in rows if r.get("audit")]
+    if audited:
+        lines += ["", "autopar's plans compiled on emulated CPU devices with the same mesh shapes "
+                  "(`python -m benchmarks.audit`): collective bytes of one micro-batch (all "
+                  "stages' forward and backward programs) and the largest per-device memory "
+                  "XLA reports for one stage program, next to the planner's stage memory "
+                  "(which adds optimizer state and 1F1B in-flight residuals):", "",
+                  "| devices | model | collective bytes (one micro-batch) | compiled memory / "
+                  "device | planner stage memory / device | compile (s) |",
+                  "|---|---|---|---|---|---|"]
+        for r in audited:
+            a = r["audit"]
+            coll = ", ".join(f"{k} {v / 2**20:.1f} MiB"
+                             for k, v in sorted(a["collective_bytes"].items())) or "none"
+            planned = r["strategies"]["autopar"]["memory_bytes"]
+            lines.append(f"| {r['devices']} | {r['model']} | {coll} | "
+                         f"{a['compiled_memory_bytes'] / 2**30:.2f} GiB | "
+                         f"{planned / 2**30:.2f} GiB | {a['compile_s']} |")
     return "\n".join(lines) + "\n"
 
 

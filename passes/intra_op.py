@@ -97,7 +97,8 @@ def run(graph: Graph, mesh: MeshContext, *,
         memory_budget_bytes: float | None = None,
         batch_size: int | None = None,
         solver: str = "cbc",
-        time_limit_s: float = 60.0) -> IntraOpResult:
+        time_limit_s: float = 60.0,
+        comm_scale: Mapping[int, float] | None = None) -> IntraOpResult:
     """Chooses a spec for every value of `graph` on `mesh`.
 
     Args:
@@ -108,9 +109,12 @@ def run(graph: Graph, mesh: MeshContext, *,
       memory_budget_bytes: peak bytes per device the plan must fit, or None.
       batch_size: leading size of the batch inputs (helps opaque control flow).
       solver / time_limit_s: passed to `passes.solver.solve`.
+      comm_scale: equation index → factor on the communication its strategies carry (e.g.
+        1/B for the matmuls producing parameter gradients that are reduced once per B
+        micro-batches).
     """
     t0 = time.perf_counter()
-    builder = _built(graph, mesh, forced, ties, batch_size)
+    builder = _built(graph, mesh, forced, ties, batch_size, comm_scale)
     # Solve without the memory rows first: most plans fit, and the unconstrained problem
     # reduces much further (memory-free leaves and chains are eliminated exactly).
     problem = builder.problem(None)
@@ -161,9 +165,10 @@ def run(graph: Graph, mesh: MeshContext, *,
 
 
 def _built(graph: Graph, mesh: MeshContext, forced: Mapping[int, Spec] | None,
-           ties: Sequence[tuple[int, int]], batch_size: int | None) -> _ProblemBuilder:
+           ties: Sequence[tuple[int, int]], batch_size: int | None,
+           comm_scale: Mapping[int, float] | None = None) -> _ProblemBuilder:
     """The problem builder with every group and edge, ties included."""
-    builder = _ProblemBuilder(graph, mesh, dict(forced or {}), batch_size)
+    builder = _ProblemBuilder(graph, mesh, dict(forced or {}), batch_size, comm_scale)
     builder.build()
     for pos, in_vid in ties:
         out = graph.outvars[pos]
@@ -186,11 +191,12 @@ def _peak_memory(problem: ShardingProblem, choice: Sequence[int]) -> float:
 
 class _ProblemBuilder:
     def __init__(self, graph: Graph, mesh: MeshContext, forced: dict[int, Spec],
-                 batch_size: int | None):
+                 batch_size: int | None, comm_scale: Mapping[int, float] | None = None):
         self.graph = graph
         self.mesh = mesh
         self.forced = forced
         self.batch_size = batch_size
+        self.comm_scale = dict(comm_scale or {})
         self.groups: list[_Group] = []
         self.group_of: dict[int, int] = {}          # value id → group
         self.specs: dict[int, list[Spec]] = {}       # value id → spec per group strategy
@@ -344,8 +350,10 @@ class _ProblemBuilder:
         if not strategies:
             strategies = [st.replicated_strategy(info, self.mesh)]
         strategies = _dedupe(strategies)
+        scale = self.comm_scale.get(eqn.index, 1.0)
         gid = self.new_group([s.name for s in strategies], [s.compute_s for s in strategies],
-                             [s.comm_s for s in strategies], f"{eqn.name} @ {eqn.where()}")
+                             [s.comm_s * scale for s in strategies],
+                             f"{eqn.name} @ {eqn.where()}")
         for k, vid in enumerate(eqn.outputs):
             self.add_member(gid, vid, [s.out_specs[k] for s in strategies])
         for k, op in enumerate(eqn.inputs):

@@ -1,0 +1,79 @@
+"""Audits a suite's autopar plans against what XLA builds (issue 6, metric 4).
+
+    python -m benchmarks.audit benchmarks/results/gpt-8x8xV100-16GB.json
+
+For every case whose plan fits on this machine's devices (at most 8 emulated CPU devices:
+the 1-, 2-, 4- and 8-device cases), the saved plan is replayed with abstract arguments, every
+stage's forward and backward is compiled on the same mesh shapes, and the compiled HLO is
+read back (`autopar.cost_model.hlo_audit`): collective bytes by kind (summed over the
+stages' programs, one micro-batch) and the largest per-device memory XLA reports (one
+micro-batch of one stage, without the optimizer state the step model adds), next to the
+planner's predicted forward+backward peak.  Compiling needs no memory for the weights.
+The results go into the suite's JSON (`rows[i]["audit"]`) and its markdown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar.cost_model import ClusterSpec, hlo_audit  # noqa: E402
+from autopar.cost_model.jsonio import write_json_atomic  # noqa: E402
+from autopar.plan import Plan  # noqa: E402
+from benchmarks import suite, zoo  # noqa: E402
+
+
+def audit_case(row: dict, cluster: ClusterSpec, global_batch: int) -> dict | None:
+    """Compiles the case's autopar plan on emulated devices; None if it does not fit."""
+    n = row["devices"]
+    entry = row["strategies"].get("autopar", {})
+    if "plan" not in entry or n > len(jax.devices()):
+        return None
+    plan = Plan.from_json(entry["plan"])
+    sub = suite.case_cluster(cluster, n)
+    step, args = zoo.train_step_and_args(row["model"], global_batch)
+    t0 = time.perf_counter()
+    par = autopar.parallelize(step, plan=plan, devices=jax.devices()[:n], cluster=sub)
+    compiled = par.lower(*args).compile()
+    by_kind: dict[str, float] = {}
+    memory = 0
+    for st, c in zip(plan.stages, compiled):
+        for prog in (c.forward, c.backward):
+            a = hlo_audit.audit(prog, st.mesh_shape, st.mesh_axes)
+            for kind, nbytes in a.bytes_by_kind().items():
+                by_kind[kind] = by_kind.get(kind, 0.0) + nbytes
+            if a.memory is not None:
+                memory = max(memory, a.memory.total_bytes)
+    return {"collective_bytes": by_kind, "compiled_memory_bytes": memory,
+            "compile_s": round(time.perf_counter() - t0, 1)}
+
+
+def run(path: str | os.PathLike) -> dict:
+    path = pathlib.Path(path)
+    data = json.loads(path.read_text())
+    cluster = ClusterSpec.from_json(data["cluster"])
+    for row in data["rows"]:
+        result = audit_case(row, cluster, data["global_batch"])
+        if result is not None:
+            row["audit"] = result
+            print(f"{row['devices']} x {row['model']}: {result}", file=sys.stderr, flush=True)
+    write_json_atomic(path, data)
+    text = suite.markdown(data["suite"], cluster, data["rows"], data["wall_s"])
+    md = path.with_suffix(".md")
+    tmp = md.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    tmp.replace(md)
+    return data
+
+
+if __name__ == "__main__":
+    for p in sys.argv[1:]:
+        run(p)
