@@ -101,6 +101,40 @@ def _autopar(pricer: Pricer, step, args, cluster: ClusterSpec, method,
                 "planner_step_s": plan.predicted.step_s, "plan": plan.to_json()}
 
 
+def _autopar_tries(pricer: Pricer, name: str, best_baseline: Evaluation | None,
+                   sub: ClusterSpec, global_batch: int) -> tuple[Evaluation | None, dict]:
+    """autopar with the best hand-written plan's micro-batch count, then with more
+    micro-batches (less activation memory) while the search finds no layout that fits or
+    the plan runs out of memory in the step model.  Search times add up."""
+    counts = _micro(global_batch, 1, 1, 1024)
+    first = best_baseline.layout.micro if best_baseline else counts[-1]
+    tries = [b for b in counts if b >= first] or [first]
+    step, args = zoo.train_step_and_args(pricer.model, global_batch)
+    searched, failures, best, extra = 0.0, [], None, {}
+    for micro in tries:
+        if name == "autopar-shard":
+            method = autopar.PipeshardParallel(
+                num_micro_batches=micro, num_stages=1,
+                submesh_shapes=((sub.num_hosts, sub.devices_per_host),))
+        else:
+            method = autopar.PipeshardParallel(num_micro_batches=micro)
+        t0 = time.perf_counter()
+        try:
+            best, extra = _autopar(pricer, step, args, sub, method, micro)
+        except ValueError as err:  # no stage layout fits the memory
+            failures.append(f"B={micro}: {' '.join(str(err).split())[:160]}")
+            searched += time.perf_counter() - t0
+            continue
+        searched += extra["search_s"]
+        if not best.oom:
+            break
+        failures.append(f"B={micro}: OOM ({best.memory_bytes / 2**30:.1f} GiB)")
+    extra = dict(extra, search_s=round(searched, 2))
+    if failures:
+        extra["failed_tries"] = failures
+    return best, extra
+
+
 def run_case(devices: int, model: str, global_batch: int, cluster: ClusterSpec,
              strategies=STRATEGIES, progress: Callable[[str], None] | None = None) -> dict:
     """Every strategy on one case; returns a JSON-able row."""
@@ -125,16 +159,7 @@ def run_case(devices: int, model: str, global_batch: int, cluster: ClusterSpec,
                     best_baseline is None or best.step_s < best_baseline.step_s):
                 best_baseline = best
         else:
-            micro = best_baseline.layout.micro if best_baseline else _micro(
-                global_batch, 1, 1, 1024)[-1]
-            step, args = zoo.train_step_and_args(model, global_batch)
-            if name == "autopar-shard":
-                method = autopar.PipeshardParallel(
-                    num_micro_batches=micro, num_stages=1,
-                    submesh_shapes=((sub.num_hosts, sub.devices_per_host),))
-            else:
-                method = autopar.PipeshardParallel(num_micro_batches=micro)
-            best, extra = _autopar(pricer, step, args, sub, method, micro)
+            best, extra = _autopar_tries(pricer, name, best_baseline, sub, global_batch)
         seconds = time.perf_counter() - t0
         entry = {"pricing_s": round(seconds, 2), "layer_solves": pricer.solves - solves0,
                  **extra}
