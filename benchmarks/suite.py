@@ -95,8 +95,7 @@ def _autopar(pricer: Pricer, step, args, cluster: ClusterSpec, method,
                            f"layers, the suite's workload into {len(w.layers)}")
     stages = [(st.layers, st.mesh_shape) for st in plan.stages]
     ev = pricer.evaluate(Layout("autopar", 0, 0, len(stages), micro, "auto"), stages)
-    phases = {"trace + " + k if k == "layering" else k: round(v, 2)
-              for k, v in plan.solver.get("phases_s", {}).items()}
+    phases = {k: round(v, 2) for k, v in plan.solver.get("phases_s", {}).items()}
     return ev, {"search_s": round(seconds, 2), "phases_s": phases,
                 "planner_step_s": plan.predicted.step_s, "plan": plan.to_json()}
 
@@ -227,7 +226,10 @@ def markdown(suite: str, cluster: ClusterSpec, rows: list[dict], wall_s: float) 
         hand = sum(st[s]["pricing_s"] for s in ("dp", "zero2", "zero3", "megatron", "3d")
                    if s in st)
         a = st.get("autopar", {})
-        phases = ", ".join(f"{k} {v}" for k, v in a.get("phases_s", {}).items())
+        named = {k.removeprefix("trace + "): v for k, v in a.get("phases_s", {}).items()}
+        if "search_s" in a:  # tracing the step, splitting F, and retries with more µb
+            named["trace, retries"] = round(max(0.0, a["search_s"] - sum(named.values())), 2)
+        phases = ", ".join(f"{k} {v}" for k, v in named.items())
         lines.append(f"| {r['devices']} | {r['model']} | {hand:.1f} | "
                      f"{st.get('autopar-shard', {}).get('search_s', '—')} | "
                      f"{a.get('search_s', '—')} | {phases} |")
