@@ -201,6 +201,8 @@ def markdown(suite: str, cluster: ClusterSpec, rows: list[dict], wall_s: float) 
              f"Predicted iteration time and model TFLOP/s per device (FLOPs: "
              f"`benchmarks.zoo.flops_per_step` — Narayanan et al. SC'21 eq. 3 for GPT, the same "
              f"counting for MoE and Wide-ResNet); OOM: over the {mem:.0f} GiB of a device. "
+             f"—: autopar's search found no plan that fits memory (the JSON's `failed_tries` "
+             f"says why), or no hand-written plan fits (ratio). "
              f"Step model and strategies: `benchmarks/layouts.py`, `benchmarks/suite.py`. "
              f"One run on this 2-core machine, {wall_s / 60:.1f} min in all.", "",
              "| devices | model | " + " | ".join(LABELS[s] for s in STRATEGIES)
