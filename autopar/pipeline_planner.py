@@ -3,7 +3,7 @@ final intra-op pass per chosen stage (DESIGN §5).
 
 Gradients are priced as accumulated over micro-batches and reduced once per step (Alpa,
 Megatron-LM and DeepSpeed do so): a layer's parameter-gradient reduction counts 1/B per
-micro-batch (`_Priced.amortized_s`), and so does the stage's optimizer update
+micro-batch (the ILP's `comm_scale`), and so does the stage's optimizer update
 (`update_time_s`).  The runtime today still reduces gradients per micro-batch.
 
 A layer range's cost on a sub-mesh is the sum of its layers' costs, each the cheapest
@@ -49,13 +49,7 @@ class _Priced:
     memory_bytes: float
     mesh: MeshContext
     input_specs: tuple[Spec, ...]
-    grad_sync_s: float = 0.0
     residual_bytes: float = 0.0
-
-    def amortized_s(self, num_micro_batches: int) -> float:
-        """Seconds per micro-batch when gradients are accumulated locally and reduced once
-        per step: the parameter-gradient reduction is paid once, not per micro-batch."""
-        return self.cost_s - self.grad_sync_s * (1.0 - 1.0 / num_micro_batches)
 
 
 def diff_values(split: pipeline.SplitStep, graph: Graph) -> set[int]:
@@ -88,13 +82,12 @@ def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
     mesh shape (`shapes`, default: 1-D and every 2-D factorization).
 
     `input_rule(vid, mesh)` may force the spec of a range input (F value id `vid`);
-    None leaves it to the search.  Each result carries `grad_sync_s`, the part of its cost
-    that reduces parameter gradients over the batch-split axes (see `_grad_sync_s`).
+    None leaves it to the search.
 
-    With `num_micro_batches` B > 1 the ILP already discounts the communication of the
-    matmuls producing parameter gradients by 1/B (gradients accumulate locally and are
-    reduced once per step), so it chooses layouts for the amortized cost; `cost_s` is then
-    per micro-batch with the reduction amortized, and `grad_sync_s` is 0."""
+    With `num_micro_batches` B > 1 the ILP discounts the communication of the matmuls
+    producing parameter gradients by 1/B (gradients accumulate locally and are reduced once
+    per step), so it chooses layouts for the amortized cost; `cost_s` is per micro-batch
+    with that reduction amortized."""
     fn = StageFunction.build(graph, program, diff, remat=remat)
     vals = graph.values
     avals = lambda ids: [jax.ShapeDtypeStruct(vals[v].shape, vals[v].dtype) for v in ids]
@@ -103,7 +96,7 @@ def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
     fb = Graph.from_jaxpr(closed)
     f_ids = list(fn.diff_ids) + list(fn.nondiff_ids)
     position = {vid: k for k, vid in enumerate(f_ids)}
-    params = {graph.invars[j] for j in range(len(graph.invars))} & set(fn.diff_ids)
+    params = set(graph.invars) & set(fn.diff_ids)
     sub = cluster.with_devices(*submesh)
     per_micro_inputs = {fb.invars[k] for k, vid in enumerate(f_ids) if vid not in params}
     grad_outs = [op for op, vid in zip(fb.outvars[len(fb.outvars) - len(fn.diff_ids):],
@@ -128,14 +121,7 @@ def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
         res = intra_op.run(fb, mesh, forced=forced, batch_size=batch_size, solver=solver,
                            time_limit_s=time_limit_s, comm_scale=scale)
         specs = tuple(res.value_specs[fb.invars[position[vid]]] for vid in program.inputs)
-        grads = [(fb.values[op], spec) for op, spec, vid in zip(
-            fb.outvars[-len(fn.diff_ids):] if fn.diff_ids else [],
-            res.out_specs[-len(fn.diff_ids):] if fn.diff_ids else [], fn.diff_ids)
-            if vid in params and isinstance(op, int)]
-        batch_axes = _batch_axes(fb, res.value_specs, batch_size, len(position))
         out[shape] = _Priced(res.cost_s, res.memory_bytes, mesh, specs,
-                             0.0 if scale else
-                             min(res.comm_s, _grad_sync_s(grads, batch_axes, mesh)),
                              _residual_bytes(fb, res.value_specs,
                                              len(fn.float_outs) + len(fn.int_outs),
                                              per_micro_inputs, mesh))
@@ -185,36 +171,8 @@ def _gradient_matmuls(fb: Graph, grads: Sequence[int]) -> set[int]:
     return out
 
 
-def _batch_axes(fb: Graph, specs, batch_size: int | None, num_inputs: int) -> tuple[str, ...]:
-    """Mesh axes splitting dim 0 of the first input whose dim 0 is the micro-batch."""
-    for vid in fb.invars[:num_inputs]:
-        v = fb.values[vid]
-        if batch_size and v.shape and v.shape[0] == batch_size and vid in specs:
-            return tuple(specs[vid][0])
-    return ()
-
-
-def _grad_sync_s(grads, batch_axes: Sequence[str], mesh: MeshContext) -> float:
-    """Seconds to reduce parameter gradients over the batch-split axes: a reduce-scatter
-    over the axes the gradient's own layout splits, an all-reduce over the rest.
-
-    `grads`: (value, spec) of each parameter gradient.  The ILP prices this inside every
-    micro-batch; a runtime that accumulates gradients before reducing them pays it once.
-    """
-    total = 0.0
-    for value, spec in grads:
-        nbytes = value.nbytes / mesh.shards(spec)
-        used = mesh.axes_used(spec)
-        scatter = [a for a in batch_axes if a in used]
-        reduce = [a for a in batch_axes if a not in used]
-        total += mesh.all_reduce_s(nbytes, reduce)
-        if scatter:
-            total += mesh.reduce_scatter_s(nbytes * mesh.dim_shards(scatter), scatter)
-    return total
-
-
-def _cheapest(options: dict[tuple[int, ...], _Priced], micro: int) -> _Priced:
-    return min(options.values(), key=lambda p: p.amortized_s(micro))
+def _cheapest(options: dict[tuple[int, ...], _Priced]) -> _Priced:
+    return min(options.values(), key=lambda p: p.cost_s)
 
 
 def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParallel,
@@ -301,7 +259,7 @@ def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParall
     micro = method.num_micro_batches
 
     def layer_cost(layer: int, submesh: tuple[int, int]) -> _Priced:
-        return _cheapest(layer_options(layer, submesh), micro)
+        return _cheapest(layer_options(layer, submesh))
 
     t_phase = time.perf_counter()
     if manual:
@@ -330,7 +288,7 @@ def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParall
                 return None
             update = update_time_s(held_param_bytes(priced, progs, params, graph),
                                    state_bytes_per_param_byte, cluster)
-            return sum(p.amortized_s(micro) for p in priced) + update / micro
+            return sum(p.cost_s for p in priced) + update / micro
 
         result = inter_op.run(lay.num_layers, submeshes, stage_cost, num_devices=n,
                               num_micro_batches=micro,
@@ -349,7 +307,7 @@ def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParall
         # layers mostly preferred): the stage inputs take the specs of the layer reading
         # them first; time and memory add up over the layers.
         members = range(layers[0], layers[1] + 1)
-        shape = _preferred_shape([layer_cost(layer, submesh) for layer in members], micro)
+        shape = _preferred_shape([layer_cost(layer, submesh) for layer in members])
         start, stop = ranges[layers[0]][0], ranges[layers[1]][1]
         prog = pipeline.program_for_range(graph, start, stop)
         wanted = set(prog.inputs)
@@ -360,7 +318,7 @@ def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParall
                                     graph, micro, len(choice) - len(stages),
                                     state_bytes_per_param_byte)
         for layer, priced in zip(members, members_priced):
-            cost += priced.amortized_s(micro)
+            cost += priced.cost_s
             for vid, spec in zip(layer_programs[layer].inputs, priced.input_specs):
                 if vid in wanted:
                     specs.setdefault(vid, spec)
@@ -419,12 +377,12 @@ def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.St
             + (min(in_flight, micro) - 1) * sum(p.residual_bytes for p in priced))
 
 
-def _preferred_shape(priced: Sequence[_Priced], micro: int) -> tuple[int, ...]:
+def _preferred_shape(priced: Sequence[_Priced]) -> tuple[int, ...]:
     """The logical mesh shape with the largest share of the layers' predicted time."""
     weight: dict[tuple[int, ...], float] = {}
     for p in priced:
         shape = p.mesh.shape
-        weight[shape] = weight.get(shape, 0.0) + p.amortized_s(micro)
+        weight[shape] = weight.get(shape, 0.0) + p.cost_s
     return max(weight, key=weight.get)
 
 
@@ -461,7 +419,7 @@ def _best_split(num_layers: int, shapes: list[tuple[int, int]],
     best, best_cost = None, math.inf
     for cuts in itertools.combinations(range(1, num_layers), k - 1):
         edges = (0, *cuts, num_layers)
-        times = [sum(layer_cost(layer, shapes[s]).amortized_s(micro)
+        times = [sum(layer_cost(layer, shapes[s]).cost_s
                      for layer in range(edges[s], edges[s + 1])) for s in range(k)]
         cost = sum(times) + (micro - 1) * max(times)
         if cost < best_cost:

@@ -10,12 +10,12 @@ parameters free, on the stages and logical meshes the plan chose.
 
 Step model (the same for every strategy):
 
-    step = Σ_s t_s + (B − 1)·max_s t_s + max_s (g_s + u_s)
+    step = Σ_s t_s + (B − 1)·max_s t_s + max_s u_s
 
-t_s: a stage's seconds per micro-batch without its parameter-gradient reduction; g_s: that
-reduction, paid once per step (gradients accumulate over micro-batches, as in Megatron-LM,
-DeepSpeed and Alpa); u_s: the optimizer update (memory-bound roofline over the state the
-device holds), plus for ZeRO-2 the all-gather of the updated parameters.
+t_s: a stage's seconds per micro-batch, its parameter-gradient reduction counted 1/B (the
+gradients accumulate over micro-batches and are reduced once per step, as in Megatron-LM,
+DeepSpeed and Alpa; the ILP's `comm_scale`); u_s: the optimizer update (memory-bound
+roofline over the state the device holds), plus for ZeRO-2 the all-gather of the updated parameters.
 
 Memory per device of stage s (1F1B keeps pp − s micro-batches of activations in flight):
 
@@ -127,7 +127,6 @@ class StageCost:
     devices: int
     mesh: tuple[int, ...]
     per_micro_s: float
-    grad_sync_s: float
     update_s: float
     memory_bytes: float
 
@@ -223,20 +222,19 @@ class Pricer:
                                      in_flight=len(stages) - s))
         b = layout.micro
         per = [c.per_micro_s for c in costs]
-        step = sum(per) + (b - 1) * max(per) + max(c.grad_sync_s + c.update_s for c in costs)
+        step = sum(per) + (b - 1) * max(per) + max(c.update_s for c in costs)
         memory = max(c.memory_bytes for c in costs)
         return Evaluation(layout, step, memory, memory > self.cluster.memory_bytes, tuple(costs))
 
     def _stage(self, w: Workload, layout: Layout, layers: tuple[int, int],
                mesh_shape: tuple[int, ...], in_flight: int) -> StageCost:
         mesh = None
-        per_micro = sync = fb_peak = residuals = 0.0
+        per_micro = fb_peak = residuals = 0.0
         param_dev: dict[int, float] = {}
         for layer in range(layers[0], layers[1] + 1):
             p = self.layer(w, layer, mesh_shape, layout.params)
             mesh = p.mesh
-            per_micro += p.cost_s - p.grad_sync_s
-            sync += p.grad_sync_s
+            per_micro += p.cost_s
             fb_peak += p.memory_bytes
             residuals += p.residual_bytes
             for vid, spec in zip(w.layers[layer].inputs, p.input_specs):
@@ -249,7 +247,7 @@ class Pricer:
         update = update_time_s(params / dp, w.state_bytes_per_param_byte, self.cluster)
         if layout.zero_gather and dp > 1:
             update += mesh.all_gather_s(params, ("x",))
-        return StageCost(layers, math.prod(mesh_shape), mesh_shape, per_micro, sync, update,
+        return StageCost(layers, math.prod(mesh_shape), mesh_shape, per_micro, update,
                          memory)
 
 
