@@ -1,7 +1,7 @@
 """Toy suite: every strategy's plan runs for real on 8 emulated CPU devices and is checked
 against the single-device `jax.jit` step (issue 6).
 
-    python -m benchmarks toy            # or: autopar bench toy
+    autopar bench toy            # or: python -m benchmarks toy (both set up 8 CPU devices)
 
 For each toy model (GPT, GShard MoE, Wide-ResNet at toy size) and strategy (the hand-written
 ones as autopar methods: `DataParallel`, `Zero2Parallel`, `Zero3Parallel`, `MegatronTP`,
@@ -22,22 +22,19 @@ float64 (checked once by hand), i.e. by rounding.
 
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 import time
 from collections.abc import Callable
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-import autopar  # noqa: E402
-from autopar.cost_model import hlo_audit  # noqa: E402
-from autopar.cost_model.jsonio import write_json_atomic  # noqa: E402
-from benchmarks import zoo  # noqa: E402
-from benchmarks.baselines import MegatronTP, input_names  # noqa: E402
+import autopar
+from autopar.cost_model import hlo_audit
+from autopar.cost_model.jsonio import write_json_atomic
+from benchmarks import zoo
+from benchmarks.baselines import MegatronTP, input_names
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MODELS = ("gpt-toy", "moe-toy", "wrn-toy")
@@ -86,7 +83,8 @@ def methods(state, batch) -> dict[str, tuple[object, int]]:
     }
 
 
-def _run(step, state, batches):
+def run_steps(step, state, batches):
+    """Runs `step` over `batches`; returns the final state and the losses."""
     losses = []
     for b in batches:
         state, metrics = step(state, b)
@@ -118,7 +116,7 @@ def run_model(model: str, strategies=None, cluster: str = "cpu-local") -> list[d
     for micro in (1, MICRO):
         grad = None if micro == 1 else micro_batched_value_and_grad(micro)
         ref_step = zoo.train_step_and_args(model, BATCH, value_and_grad=grad)[0]
-        refs[micro] = _run(jax.jit(ref_step), state, batches)
+        refs[micro] = run_steps(jax.jit(ref_step), state, batches)
     step_fn = zoo.train_step_and_args(model, BATCH)[0]
     rows = []
     for name, (method, micro) in methods(state, batches[0]).items():
@@ -128,7 +126,7 @@ def run_model(model: str, strategies=None, cluster: str = "cpu-local") -> list[d
         t0 = time.perf_counter()
         plan = par.get_plan(state, batches[0])
         search_s = time.perf_counter() - t0
-        new_state, losses = _run(par, state, batches)
+        new_state, losses = run_steps(par, state, batches)
         t0 = time.perf_counter()
         jax.block_until_ready(par(state, batches[0]))
         measured = time.perf_counter() - t0

@@ -71,6 +71,9 @@ class _Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """A decoder: token + position embeddings, `cfg.layers` blocks (`block(i)`), a final
+    LayerNorm, and logits from the tied embedding."""
+
     cfg: GPTConfig
 
     @nn.compact
@@ -81,11 +84,14 @@ class GPT(nn.Module):
         pos = self.param("pos", nn.initializers.normal(0.02), (cfg.seq, cfg.hidden))
         x = embed(tokens) + pos[: tokens.shape[1]].astype(dt)
         mask = nn.make_causal_mask(tokens)
-        block = nn.remat(_Block) if cfg.remat else _Block
-        for _ in range(cfg.layers):
-            x = block(cfg)(x, mask)
+        for i in range(cfg.layers):
+            x = self.block(i)(x, mask)
         x = nn.LayerNorm(dtype=dt)(x)
         return embed.attend(x).astype(jnp.float32)
+
+    def block(self, i: int) -> nn.Module:
+        """Block `i` (rematerialized when `cfg.remat`)."""
+        return (nn.remat(_Block) if self.cfg.remat else _Block)(self.cfg)
 
 
 def gpt_flops_per_step(cfg: GPTConfig, batch: int) -> float:
@@ -207,24 +213,14 @@ class _MoEBlock(nn.Module):
         return x + nn.Dense(self.cfg.hidden, dtype=dt)(nn.gelu(h))
 
 
-class MoE(nn.Module):
+class MoE(GPT):
     """GPT-style decoder whose odd blocks use `MoEFFN` (GShard's every-other-layer MoE)."""
 
     cfg: MoEConfig
 
-    @nn.compact
-    def __call__(self, tokens):
-        cfg = self.cfg
-        dt = jnp.dtype(cfg.dtype)
-        embed = nn.Embed(cfg.vocab, cfg.hidden, dtype=dt)
-        pos = self.param("pos", nn.initializers.normal(0.02), (cfg.seq, cfg.hidden))
-        x = embed(tokens) + pos[: tokens.shape[1]].astype(dt)
-        mask = nn.make_causal_mask(tokens)
-        block = nn.remat(_MoEBlock, static_argnums=()) if cfg.remat else _MoEBlock
-        for i in range(cfg.layers):
-            x = block(cfg, expert=i % 2 == 1)(x, mask)
-        x = nn.LayerNorm(dtype=dt)(x)
-        return embed.attend(x).astype(jnp.float32)
+    def block(self, i: int) -> nn.Module:
+        block = nn.remat(_MoEBlock, static_argnums=()) if self.cfg.remat else _MoEBlock
+        return block(self.cfg, expert=i % 2 == 1)
 
 
 def moe_flops_per_step(cfg: MoEConfig, batch: int) -> float:

@@ -10,6 +10,11 @@ import numpy as np
 import autopar
 from autopar.cost_model import Link
 
+# One implementation of the step loop and of the micro-batched reference (strided
+# micro-batches m, m+N, ... averaged, written without autopar), shared with the toy suite.
+from benchmarks.toy import micro_batched_value_and_grad as micro_batch_value_and_grad
+from benchmarks.toy import run_steps
+
 # A cost model where communication is almost free: the search then splits nearly every
 # value, which exercises the strategies and the emitter far harder than a realistic
 # model would on tiny test models (where replicating everything is the right answer).
@@ -19,14 +24,6 @@ CHEAP_COMM = Link(alpha_s=1e-7, beta_s_per_byte=1e-14)
 def cheap_comm_cluster() -> autopar.ClusterSpec:
     base = autopar.ClusterSpec.from_devices(jax.devices())
     return dataclasses.replace(base, intra_host=CHEAP_COMM, inter_host=CHEAP_COMM)
-
-
-def run_steps(step, state, batches):
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return state, losses
 
 
 def assert_same_run(case, parallel_step, *, steps: int = 3, rtol: float, atol: float):
@@ -59,30 +56,6 @@ def per_device_bytes(compiled) -> int:
     m = compiled.memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
             + m.temp_size_in_bytes)
-
-
-def micro_batch_value_and_grad(num: int):
-    """A reference `value_and_grad` that splits the batch argument (the dict with "x" or
-    "tokens") into `num` strided micro-batches (rows m, m+num, ...) and averages the
-    loss, aux and gradients — written independently of autopar's rewrite."""
-
-    def value_and_grad(fun, argnums=0, has_aux=False):
-        def run(*args):
-            (pos,) = [i for i, a in enumerate(args)
-                      if isinstance(a, dict) and ({"x", "tokens"} & set(a))]
-            outs = []
-            for m in range(num):
-                part = jax.tree.map(
-                    lambda x, m=m: x.reshape((x.shape[0] // num, num) + x.shape[1:])[:, m],
-                    args[pos])
-                split = list(args)
-                split[pos] = part
-                outs.append(jax.value_and_grad(fun, argnums, has_aux)(*split))
-            return jax.tree.map(lambda *xs: sum(xs) / num, *outs)
-
-        return run
-
-    return value_and_grad
 
 
 def assert_same_micro_batched_run(case, parallel_step, num: int, **tol):
