@@ -25,10 +25,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar import models as zoo  # noqa: E402
 from autopar.cost_model import ClusterSpec, hlo_audit  # noqa: E402
 from autopar.cost_model.jsonio import write_json_atomic  # noqa: E402
 from autopar.plan import Plan  # noqa: E402
-from benchmarks import suite, zoo  # noqa: E402
+from benchmarks import suite  # noqa: E402
 
 
 def audit_case(row: dict, cluster: ClusterSpec, global_batch: int) -> dict | None:

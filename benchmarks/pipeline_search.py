@@ -21,7 +21,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 import autopar  # noqa: E402
-from benchmarks import zoo  # noqa: E402
+from autopar import models as zoo  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 

@@ -23,9 +23,9 @@ import time
 from collections.abc import Callable
 
 import autopar
+from autopar import models as zoo
 from autopar.cost_model import ClusterSpec
 from autopar.cost_model.jsonio import write_json_atomic
-from benchmarks import zoo
 from benchmarks.layouts import Evaluation, Layout, Pricer, best_fitting, grid_3d, micro_candidates
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -199,7 +199,7 @@ def markdown(suite: str, cluster: ClusterSpec, rows: list[dict], wall_s: float) 
     mem = cluster.memory_bytes / 2**30
     lines = [f"# Suite `{suite}` on `{cluster.name}`", "",
              f"Predicted iteration time and model TFLOP/s per device (FLOPs: "
-             f"`benchmarks.zoo.flops_per_step` — Narayanan et al. SC'21 eq. 3 for GPT, the same "
+             f"`autopar.models.flops_per_step` — Narayanan et al. SC'21 eq. 3 for GPT, the same "
              f"counting for MoE and Wide-ResNet); OOM: over the {mem:.0f} GiB of a device. "
              f"—: autopar's search found no plan that fits memory (the JSON's `failed_tries` "
              f"says why), or no hand-written plan fits (ratio). "

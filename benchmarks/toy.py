@@ -31,9 +31,9 @@ import jax
 import numpy as np
 
 import autopar
+from autopar import models as zoo
 from autopar.cost_model import hlo_audit
 from autopar.cost_model.jsonio import write_json_atomic
-from benchmarks import zoo
 from benchmarks.baselines import MegatronTP, input_names
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"

@@ -18,11 +18,11 @@ import jax
 import numpy as np
 
 from autopar import markers, pipeline
+from autopar import models as zoo
 from autopar.graph import Graph
 from autopar.passes import layering
 from autopar.pipeline_planner import _program_key, diff_values
 from autopar.planner import describe_path
-from benchmarks import zoo
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from autopar import models as zoo
 from autopar.cost_model import ClusterSpec
 from autopar.graph import Graph
 from autopar.passes.sharding_spec import MeshContext
-from benchmarks import layouts, suite, toy, zoo
+from benchmarks import layouts, suite, toy
 from benchmarks.workload import Workload
 
 

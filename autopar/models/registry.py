@@ -1,0 +1,111 @@
+"""The zoo's named models (`gpt-toy` … `gpt-39b`, `moe-toy` … `moe-70b`, `wrn-toy` …
+`wrn-6.8b`): config, FLOPs, parameter count, default batch, train step with abstract
+arguments (`jax.ShapeDtypeStruct`s, so planning needs no memory for the weights), and
+concrete state and batches for the toy sizes (real runs on CPU)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from autopar.models.gpt import GPT_CONFIGS, GPTConfig, gpt_flops_per_step
+from autopar.models.moe import MOE_CONFIGS, MoEConfig, moe_flops_per_step
+from autopar.models.steps import make_train_step
+from autopar.models.wrn import WRN_CONFIGS, WRNConfig, wrn_flops_per_step
+
+ModelConfig = GPTConfig | MoEConfig | WRNConfig
+
+CONFIGS: dict[str, ModelConfig] = {**GPT_CONFIGS, **MOE_CONFIGS, **WRN_CONFIGS}
+
+
+def config(name: str) -> ModelConfig:
+    """The config of zoo model `name`; ValueError listing the known names otherwise."""
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model {name!r}; known: {sorted(CONFIGS)}")
+    return CONFIGS[name]
+
+
+def _order(name: str) -> tuple[str, float]:
+    m = re.search(r"([0-9.]+)([mb])$", name)
+    size = float(m.group(1)) * (1e3 if m.group(2) == "b" else 1) if m else 0.0
+    return (name.split("-")[0], size)
+
+
+def names() -> list[str]:
+    """The zoo's model names by family (gpt, moe, wrn), then size (toy first)."""
+    return sorted(CONFIGS, key=_order)
+
+
+def default_batch(name: str) -> int:
+    """Alpa's global batch (sequences or images) for `name`: 1536 for Wide-ResNet, 1024
+    otherwise (Zheng et al., OSDI'22, §8.1); 64 for the toy sizes."""
+    cfg = config(name)
+    if name.endswith("-toy"):
+        return 64
+    return 1536 if isinstance(cfg, WRNConfig) else 1024
+
+
+def flops_per_step(name: str, batch: int) -> float:
+    """Model FLOPs of one training step of zoo model `name` at global batch `batch`."""
+    cfg = config(name)
+    rule = {GPTConfig: gpt_flops_per_step, MoEConfig: moe_flops_per_step,
+            WRNConfig: wrn_flops_per_step}[type(cfg)]
+    return rule(cfg, batch)
+
+
+def param_count(name: str) -> int:
+    """Number of parameters (from abstract initialization)."""
+    state = _abstract_state(name)
+    return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(state["params"]))
+
+
+def _example_input(cfg: ModelConfig, batch: int) -> dict[str, jax.ShapeDtypeStruct]:
+    if isinstance(cfg, WRNConfig):
+        return {"images": jax.ShapeDtypeStruct((batch, cfg.image, cfg.image, 3), jnp.float32),
+                "labels": jax.ShapeDtypeStruct((batch,), jnp.int32)}
+    tokens = jax.ShapeDtypeStruct((batch, cfg.seq), jnp.int32)
+    return {"tokens": tokens, "labels": tokens}
+
+
+def _init(name: str, seed: int) -> dict:
+    cfg = config(name)
+    _, model, tx = make_train_step(cfg)
+    key = "images" if isinstance(cfg, WRNConfig) else "tokens"
+    x = _example_input(cfg, 1)[key]
+    variables = model.init(jax.random.key(seed), jnp.zeros(x.shape, x.dtype))
+    state = {"params": variables["params"], "opt_state": tx.init(variables["params"])}
+    if "batch_stats" in variables:
+        state["batch_stats"] = variables["batch_stats"]
+    return state
+
+
+def _abstract_state(name: str) -> dict:
+    return jax.eval_shape(lambda: _init(name, 0))
+
+
+def train_step_and_args(name: str, batch: int, value_and_grad: Callable | None = None
+                        ) -> tuple[Callable, tuple[dict, dict]]:
+    """(train_step, (abstract_state, abstract_batch)) for a zoo model at global batch size;
+    `value_and_grad` replaces `autopar.value_and_grad` in the step (e.g. a reference)."""
+    step = make_train_step(config(name), value_and_grad)[0]
+    return step, (_abstract_state(name), _example_input(config(name), batch))
+
+
+def init_state(name: str, seed: int = 0) -> dict:
+    """Concrete initial state (for toy sizes: real runs on CPU)."""
+    return _init(name, seed)
+
+
+def example_batch(name: str, batch: int, seed: int = 1) -> dict:
+    """A concrete random batch (for toy sizes)."""
+    cfg = config(name)
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    if isinstance(cfg, WRNConfig):
+        return {"images": jax.random.normal(k1, (batch, cfg.image, cfg.image, 3)),
+                "labels": jax.random.randint(k2, (batch,), 0, cfg.classes)}
+    tokens = jax.random.randint(k1, (batch, cfg.seq), 0, cfg.vocab)
+    return {"tokens": tokens, "labels": jnp.roll(tokens, -1, axis=1)}

@@ -1,0 +1,75 @@
+"""The zoo models' train steps: pure `step(state, batch) -> (new_state, {"loss": ...})`
+with gradients via `autopar.value_and_grad` (a reference may swap it) and an optax
+optimizer (AdamW, lr 1e-4, unless given)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import optax
+
+import autopar
+from autopar.models.gpt import GPT, GPTConfig
+from autopar.models.moe import MoE, MoEConfig
+from autopar.models.wrn import WideResNet, WRNConfig
+
+TrainStep = tuple[Callable, nn.Module, optax.GradientTransformation]
+
+
+def gpt_train_step(cfg: GPTConfig | MoEConfig, value_and_grad: Callable | None = None,
+                   tx: optax.GradientTransformation | None = None) -> TrainStep:
+    """(train_step, model, tx) of a token model (GPT or MoE): next-token cross-entropy.
+    State {"params", "opt_state"}; batch {"tokens", "labels"} int32 [batch, seq].
+    `value_and_grad` defaults to `autopar.value_and_grad` (a reference may swap it), `tx`
+    to AdamW (lr 1e-4)."""
+    grad_fn = value_and_grad or autopar.value_and_grad
+    model = GPT(cfg) if isinstance(cfg, GPTConfig) else MoE(cfg)
+    tx = tx if tx is not None else optax.adamw(1e-4)
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["tokens"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+    def train_step(state, batch):
+        loss, grads = grad_fn(loss_fn)(state["params"], batch)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates),
+                "opt_state": opt_state}, {"loss": loss}
+
+    return train_step, model, tx
+
+
+def wrn_train_step(cfg: WRNConfig, value_and_grad: Callable | None = None,
+                   tx: optax.GradientTransformation | None = None) -> TrainStep:
+    """(train_step, model, tx) of a Wide-ResNet: classification cross-entropy, BatchNorm
+    statistics carried in the state {"params", "opt_state", "batch_stats"}; batch
+    {"images" float32 [batch, image, image, 3], "labels" int32 [batch]}.  Defaults as in
+    `gpt_train_step`."""
+    grad_fn = value_and_grad or autopar.value_and_grad
+    model = WideResNet(cfg)
+    tx = tx if tx is not None else optax.adamw(1e-4)
+
+    def loss_fn(params, batch_stats, batch):
+        logits, mutated = model.apply({"params": params, "batch_stats": batch_stats},
+                                      batch["images"], mutable=["batch_stats"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+        return loss, mutated["batch_stats"]
+
+    def train_step(state, batch):
+        (loss, stats), grads = grad_fn(loss_fn, has_aux=True)(
+            state["params"], state["batch_stats"], batch)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates),
+                "opt_state": opt_state, "batch_stats": stats}, {"loss": loss}
+
+    return train_step, model, tx
+
+
+def make_train_step(cfg: GPTConfig | MoEConfig | WRNConfig,
+                    value_and_grad: Callable | None = None,
+                    tx: optax.GradientTransformation | None = None) -> TrainStep:
+    """`gpt_train_step` or `wrn_train_step`, by the config's family."""
+    if isinstance(cfg, WRNConfig):
+        return wrn_train_step(cfg, value_and_grad, tx)
+    return gpt_train_step(cfg, value_and_grad, tx)
