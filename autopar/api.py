@@ -17,7 +17,7 @@ from autopar.graph import Graph
 
 from . import markers, microbatch, pipeline, pipeline_planner, planner, schedules
 from .emit import build_mesh, emit, to_pspec
-from .methods import Manual3DParallel, Method, PipeshardParallel, ShardParallel
+from .methods import Method, ShardParallel
 from .plan import Plan, PlanError, verify_plan
 from .runtime import PipelineRuntime
 
@@ -36,15 +36,51 @@ def _normalize_argnums(name: str, argnums: int | Sequence[int]) -> tuple[int, ..
 
 
 @dataclasses.dataclass(eq=False)
-class _Entry:
-    """One traced + planned (+ compiled, once run) instance of the step."""
+class Traced:
+    """A parallelized step traced and planned for one set of argument shapes — what
+    `step.trace(*args)` returns (the shape of `jax.jit(f).trace(*args)`).
 
-    traced: Traced
+    Attributes:
+      program: the traced step (graph, input names and roles, ties new state → state) that
+        the plan was made for; with micro-batches on one mesh, every micro-batch unrolled.
+      plan: the plan, searched or loaded.
+      split: for pipeline plans, the step traced at micro-batch size and split around its
+        compute-grad equation (`split.forward_graph()` is the program the stages cut);
+        None for single-mesh plans.
+      out_tree: the step's output treedef.
+      in_tree: the treedef of the dynamic (non-static) arguments.
+      args_info: `jax.ShapeDtypeStruct` of every flattened dynamic argument.
+    """
+
+    program: planner.Program
     plan: Plan
-    split: Any
+    split: pipeline.SplitStep | None
+    out_tree: Any
     in_tree: Any
-    positions: list[int]
-    executable: Any = None
+    args_info: tuple[jax.ShapeDtypeStruct, ...]
+    _trace: _Trace = dataclasses.field(repr=False)
+    _positions: list[int] = dataclasses.field(repr=False)
+    _step: ParallelizedFunction = dataclasses.field(repr=False)
+    _executable: Any = dataclasses.field(default=None, repr=False)
+
+    @property
+    def graph(self) -> Graph:
+        """The flattened step (`program.graph`)."""
+        return self.program.graph
+
+    @property
+    def executable(self):
+        """What runs the plan on this process's devices, built on first use: a jitted
+        function of the flattened arguments (single mesh) or the `PipelineRuntime`."""
+        if self._executable is None:
+            self._executable = self._step._build(self)
+        return self._executable
+
+    def lower(self):
+        """JAX's `Lowered` program (`.compile()` gives the compiled executable with
+        `as_text()`, `memory_analysis()`, `cost_analysis()`); for pipeline plans, an object
+        whose `.compile()` gives every stage's compiled forward and backward."""
+        return self.executable.lower(*self.args_info)
 
 
 class ParallelizedFunction:
@@ -71,28 +107,29 @@ class ParallelizedFunction:
         if isinstance(plan, str | os.PathLike):
             plan = Plan.load(plan)
         self.fixed_plan: Plan | None = plan
-        self._cache: dict[Any, _Entry] = {}
+        self._cache: dict[Any, Traced] = {}
         functools.update_wrapper(self, fun)
 
     # -- public -----------------------------------------------------------------------------
 
     def __call__(self, *args):
-        entry, leaves = self._entry(args)
-        out = self._executable(entry)(*leaves)
-        return jax.tree_util.tree_unflatten(entry.traced.out_tree, out)
+        traced, leaves = self._traced(args)
+        out = traced.executable(*leaves)
+        return jax.tree_util.tree_unflatten(traced.out_tree, out)
+
+    def trace(self, *args) -> Traced:
+        """The step traced and planned for these arguments (arrays or
+        `jax.ShapeDtypeStruct`s), without running it; cached per argument shapes."""
+        return self._traced(args)[0]
 
     def get_plan(self, *args) -> Plan:
         """The plan for these arguments (arrays or `jax.ShapeDtypeStruct`s), searched or
         loaded, without running the step."""
-        return self._entry(args)[0].plan
+        return self.trace(*args).plan
 
     def lower(self, *args):
-        """JAX's `Lowered` program for these arguments; `.compile()` gives the compiled
-        executable (`as_text()`, `memory_analysis()`, `cost_analysis()`).  For pipeline
-        plans, an object whose `.compile()` gives every stage's compiled forward and
-        backward."""
-        entry, leaves = self._entry(args)
-        return self._executable(entry).lower(*leaves)
+        """`self.trace(*args).lower()`: JAX's lowered program(s) for these arguments."""
+        return self.trace(*args).lower()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -105,7 +142,7 @@ class ParallelizedFunction:
         positions = [i for i in range(len(args)) if i not in self.static_argnums]
         return dynamic, static, positions
 
-    def _entry(self, args: tuple) -> tuple[_Entry, list]:
+    def _traced(self, args: tuple) -> tuple[Traced, list]:
         dynamic, static, positions = self._split(args)
         leaves, in_tree = jax.tree_util.tree_flatten(dynamic)
         try:
@@ -120,11 +157,11 @@ class ParallelizedFunction:
         except TypeError:
             raise TypeError(f"{self.__name__}: static arguments must be hashable, got "
                             f"{[type(v).__name__ for _, v in static]}") from None
-        entry = self._cache.get(key)
-        if entry is None:
-            entry = self._plan(dynamic, static, positions, in_tree)
-            self._cache[key] = entry
-        return entry, leaves
+        traced = self._cache.get(key)
+        if traced is None:
+            traced = self._plan(dynamic, static, positions, in_tree)
+            self._cache[key] = traced
+        return traced, leaves
 
     def _devices(self) -> list[jax.Device]:
         if self.offline:
@@ -133,7 +170,7 @@ class ParallelizedFunction:
                                "autopar.parallelize(step, plan=...) on that cluster")
         return self.devices if self.devices is not None else list(jax.devices())
 
-    def _plan(self, dynamic: list, static: tuple, positions: list[int], in_tree) -> _Entry:
+    def _plan(self, dynamic: list, static: tuple, positions: list[int], in_tree) -> Traced:
         if self.offline:
             cluster = _resolve_cluster(self._cluster, None)
             device_ids = list(range(cluster.num_devices))
@@ -142,10 +179,8 @@ class ParallelizedFunction:
             cluster = _resolve_cluster(self._cluster, devices)
             device_ids = [d.id for d in devices]
         fixed = self.fixed_plan
-        pipelined = (bool(fixed.stages) if fixed is not None
-                     else isinstance(self.method, PipeshardParallel | Manual3DParallel))
-        micro = fixed.num_micro_batches if fixed is not None else getattr(
-            self.method, "num_micro_batches", 1)
+        pipelined = bool(fixed.stages) if fixed is not None else self.method.pipelined
+        micro = fixed.num_micro_batches if fixed is not None else self.method.num_micro_batches
         if self.progress:
             self.progress("trace")
         traced = trace(self.fun, dynamic, static, positions, in_tree, self.batch_argnums, micro,
@@ -177,21 +212,19 @@ class ParallelizedFunction:
         else:
             plan = planner.search(program, self.method, cluster, device_ids, fp=fp,
                                   progress=self.progress)
-        return _Entry(traced, plan, split, in_tree, positions)
+        return Traced(program, plan, split, traced.out_tree, in_tree, traced.args_info,
+                      _trace=traced, _positions=positions, _step=self)
 
-    def _executable(self, entry: _Entry):
-        if entry.executable is None:
-            devices = self._devices()
-            if entry.plan.stages:
-                entry.executable = _pipeline_runtime(entry.split, entry.plan, devices,
-                                                     set(entry.traced.batch_positions))
-            else:
-                mesh = build_mesh(entry.plan, devices)
-                donate = [i for i, pos in enumerate(_leaf_positions(entry.in_tree,
-                                                                    entry.positions))
-                          if pos in self.donate_argnums]
-                entry.executable = emit(entry.traced.program.graph, entry.plan, mesh, donate)
-        return entry.executable
+    def _build(self, traced: Traced):
+        """The executable of a traced step on this process's devices."""
+        devices = self._devices()
+        if traced.plan.stages:
+            return _pipeline_runtime(traced.split, traced.plan, devices,
+                                     set(traced._trace.batch_positions))
+        mesh = build_mesh(traced.plan, devices)
+        donate = [i for i, pos in enumerate(_leaf_positions(traced.in_tree, traced._positions))
+                  if pos in self.donate_argnums]
+        return emit(traced.graph, traced.plan, mesh, donate)
 
 
 def _state_per_param_byte(program: planner.Program) -> float:
@@ -251,25 +284,27 @@ def _resolve_cluster(cluster: ClusterSpec | str | None, devices) -> ClusterSpec:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Traced:
-    """A traced step.
+class _Trace:
+    """A traced step, before planning.
 
     Attributes:
       program: the whole step (micro-batches accumulated) for single-mesh planning.
       out_tree: the step's output treedef.
       micro: the step traced at micro-batch size (before accumulation), for pipelines.
       batch_positions: flattened input positions of the batch leaves.
+      args_info: abstract value of every flattened input (full batch).
     """
 
     program: planner.Program
     out_tree: Any
     micro: Any
     batch_positions: frozenset[int]
+    args_info: tuple[jax.ShapeDtypeStruct, ...]
 
 
 def trace(fun: Callable, dynamic: list, static: tuple, positions: list[int], in_tree,
           batch_argnums: Sequence[int], num_micro_batches: int = 1,
-          accumulate: bool = True) -> Traced:
+          accumulate: bool = True) -> _Trace:
     """Traces `fun` on abstract values; with `num_micro_batches` > 1 the step is traced at
     micro-batch size and its batch-dependent part accumulates over micro-batches."""
     leaves = jax.tree_util.tree_leaves(dynamic)
@@ -318,7 +353,7 @@ def trace(fun: Callable, dynamic: list, static: tuple, positions: list[int], in_
     ties = _find_ties(dynamic, positions, out_shape, leaf_pos, batch_argnums)
     program = planner.Program(graph, tuple(paths), roles, ties,
                               batch_sizes[0] if batch_sizes else None)
-    return Traced(program, out_tree, micro, frozenset(batch_positions))
+    return _Trace(program, out_tree, micro, frozenset(batch_positions), tuple(abstract))
 
 
 def _find_ties(dynamic: list, positions: list[int], out_shape, leaf_pos: list[int],

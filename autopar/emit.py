@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from autopar.graph import Graph
+from autopar.graph import Graph, is_numeric
 from autopar.passes.sharding_spec import Spec
 
 from .plan import Plan
@@ -35,7 +35,7 @@ def build_mesh(plan: Plan, devices: Sequence[jax.Device] | None = None) -> Mesh:
 def emit(graph: Graph, plan: Plan, mesh: Mesh, donate_argnums: Sequence[int] = ()):
     """Returns a jitted function of the flattened inputs that runs `graph` under `plan`."""
     constraints = {vid: NamedSharding(mesh, to_pspec(spec)) for vid, spec in plan.value_specs
-                   if _is_numeric(graph.values[vid].dtype)}
+                   if is_numeric(graph.values[vid].dtype)}
 
     # Operands that a matmul/conv/gather/scatter reads in another layout are pinned too:
     # XLA then reshards exactly as the plan priced (and on CPU, jax 0.10.2, leaving the
@@ -58,11 +58,3 @@ def emit(graph: Graph, plan: Plan, mesh: Mesh, donate_argnums: Sequence[int] = (
     out_shardings = tuple(NamedSharding(mesh, to_pspec(s)) for s in plan.out_specs)
     return jax.jit(program, in_shardings=in_shardings, out_shardings=out_shardings,
                    donate_argnums=tuple(donate_argnums))
-
-
-def _is_numeric(dtype) -> bool:
-    try:
-        np.dtype(dtype)
-        return True
-    except TypeError:
-        return False

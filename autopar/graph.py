@@ -118,6 +118,25 @@ def itemsize(dtype: Any) -> int:
         return 4
 
 
+def is_numeric(dtype: Any) -> bool:
+    """A NumPy dtype (arrays of it can be sharded); False for extended dtypes such as
+    PRNG key arrays."""
+    try:
+        np.dtype(dtype)
+        return True
+    except TypeError:
+        return False
+
+
+def is_float(dtype: Any) -> bool:
+    """Floating or complex: values of this dtype carry gradients and are averaged over
+    micro-batches (integer ones are not)."""
+    try:
+        return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
+    except TypeError:
+        return False
+
+
 def _aval_shape_dtype(aval: Any) -> tuple[tuple[int, ...], Any]:
     shape = tuple(int(d) for d in getattr(aval, "shape", ()))
     return shape, getattr(aval, "dtype", np.dtype("float32"))
@@ -156,16 +175,24 @@ def _sort_flops(params: dict, ins: Sequence, outs: Sequence) -> float:
     return float(n * max(1.0, math.log2(max(n, 2))))
 
 
-_ELEMENTWISE = (
+# Elementwise primitives: one FLOP per output element (the arithmetic ones), and the rest
+# (conversions, comparisons, bit operations: no FLOPs).  Every elementwise equation takes
+# its operands' layout (passes/strategies.py).
+ELEMENTWISE_ARITHMETIC: tuple[str, ...] = tuple((
     "add add_any sub mul div max min neg exp exp2 log log1p tanh logistic sin cos tan sqrt rsqrt "
     "cbrt pow integer_pow abs sign floor ceil round erf erfc erf_inv select_n clamp square "
     "expm1 atan2 asin acos atan sinh cosh asinh acosh atanh rem nextafter is_finite"
-).split()
+).split())
+ELEMENTWISE: tuple[str, ...] = ELEMENTWISE_ARITHMETIC + tuple((
+    "convert_element_type bitcast_convert_type reduce_precision copy copy_p stop_gradient "
+    "eq ne lt le gt ge and or not xor shift_left shift_right_logical shift_right_arithmetic "
+    "population_count clz real imag conj complex optimization_barrier"
+).split())
 
 flop_rules: dict[str, FlopRule] = {
     "dot_general": _dot_flops,
     "conv_general_dilated": _conv_flops,
-    **{name: _out_elems for name in _ELEMENTWISE},
+    **{name: _out_elems for name in ELEMENTWISE_ARITHMETIC},
     **{name: _in_elems for name in (
         "reduce_sum reduce_max reduce_min reduce_prod argmax argmin cumsum cumprod cummax "
         "cumlogsumexp reduce_and reduce_or"

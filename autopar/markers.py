@@ -28,22 +28,17 @@ _in_forward: contextvars.ContextVar[bool] = contextvars.ContextVar("autopar_in_f
 
 
 @contextlib.contextmanager
+def _enabled(flag: contextvars.ContextVar[bool]):
+    token = flag.set(True)
+    try:
+        yield
+    finally:
+        flag.reset(token)
+
+
 def recording():
     """Within this context, autopar.grad / value_and_grad record compute-grad markers."""
-    token = _recording.set(True)
-    try:
-        yield
-    finally:
-        _recording.reset(token)
-
-
-@contextlib.contextmanager
-def _forward_trace():
-    token = _in_forward.set(True)
-    try:
-        yield
-    finally:
-        _in_forward.reset(token)
+    return _enabled(_recording)
 
 
 # ---- compute-grad marker ------------------------------------------------------------------
@@ -69,7 +64,7 @@ def _marked(fun: Callable, argnums: int | Sequence[int], has_aux: bool,
         def flat_loss(*flat_args):
             return fun(*jax.tree_util.tree_unflatten(in_tree, list(flat_args)))
 
-        with _forward_trace():
+        with _enabled(_in_forward):
             fwd, fwd_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*flat)
         fwd_tree = jax.tree_util.tree_structure(fwd_shape)
         consts = list(fwd.consts)

@@ -1,9 +1,18 @@
-"""Parallelization methods: typed options, validated once.
+"""Parallelization methods: typed options, validated once, behind one protocol.
 
-`ShardParallel` searches a sharding for every value (intra-op ILP).  `DataParallel`,
-`Zero2Parallel` and `Zero3Parallel` are the classic hand-written strategies expressed as
-forced input specs on a 1-D mesh; everything else goes through the same search, so the
-baselines and the automatic plan share one cost model and one code path.
+Every method is a frozen dataclass that satisfies `Method` (the shape of optax's
+`GradientTransformation`: a small declared interface, no base class to inherit).  The
+planner reads only that interface:
+
+* `MeshMethod` (one SPMD program on one mesh): `mesh_shapes(n)` lists the logical meshes to
+  try and `forced_specs(...)` fixes input layouts.  `ShardParallel` searches a sharding for
+  every value (intra-op ILP); `DataParallel`, `Zero2Parallel` and `Zero3Parallel` are the
+  classic hand-written strategies expressed as forced input specs on a 1-D mesh —
+  everything else goes through the same search, so the baselines and the automatic plan
+  share one cost model and one code path.
+* `PipelineMethod` (stages on sub-meshes): `stage_layout(n, devices_per_host)` says what
+  the stage search may choose.  `PipeshardParallel` searches stages with Alpa's DP;
+  `Manual3DParallel` fixes equal stages on (dp, tp) meshes.
 """
 
 from __future__ import annotations
@@ -11,23 +20,118 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 from autopar.passes.sharding_spec import MeshContext, Spec, replicated
+from autopar.passes.solver import BACKENDS, DEFAULT_BACKEND, Backend
 
-Solver = Literal["cbc", "highs", "auto"]
-_SOLVERS = ("cbc", "highs", "auto")
 Role = Literal["batch", "param", "state"]
+ScheduleName = Literal["1f1b", "gpipe"]
+_SCHEDULES = ("1f1b", "gpipe")
+
+
+@runtime_checkable
+class Method(Protocol):
+    """What every parallelization method gives the planner.
+
+    Attributes:
+      name: short name recorded in the plan ("shard", "dp", "pipeshard", ...).
+      pipelined: whether the plan has pipeline stages (a `PipelineMethod`) or is one SPMD
+        program on one mesh (a `MeshMethod`).
+      num_micro_batches: gradient-accumulation steps per step (the batch is split on dim 0).
+      memory_budget_bytes: peak bytes per device the plan must fit (None: device memory).
+      solver: sharding-solver backend (`autopar.passes.solver.BACKENDS`).
+      time_limit_s: solver wall-clock limit per ILP, seconds.
+    """
+
+    name: ClassVar[str]
+    pipelined: ClassVar[bool]
+
+    @property
+    def num_micro_batches(self) -> int: ...
+
+    @property
+    def memory_budget_bytes(self) -> float | None: ...
+
+    @property
+    def solver(self) -> Backend: ...
+
+    @property
+    def time_limit_s(self) -> float: ...
+
+
+@runtime_checkable
+class MeshMethod(Method, Protocol):
+    """A method that runs the whole step as one SPMD program on one mesh."""
+
+    def mesh_shapes(self, num_devices: int) -> list[tuple[int, ...]]:
+        """The logical mesh shapes to try, each with `num_devices` devices."""
+        ...
+
+    def forced_specs(self, shapes: Sequence[tuple[int, ...]], roles: Sequence[Role],
+                     mesh: MeshContext) -> dict[int, Spec]:
+        """Input position → the only spec that input may take on `mesh`."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+    """What a pipeline method lets the stage search choose.
+
+    Attributes:
+      num_stages: the number of stages, or None (the stage DP chooses).
+      layer_num: layers the forward is clustered into, or "auto".
+      min_layers: at least this many layers (one per stage at least).
+      submesh_shapes: (hosts, devices per host) of every stage, in order, or None (the DP
+        chooses sub-meshes).
+      equal_layers: stages get equal layer counts (no search over the cuts).
+      logical_shape: the one logical mesh shape every stage uses, or None (searched).
+      batch_axis: the batch dim of per-micro-batch inputs is split over the first
+        logical mesh axis (data parallelism inside each stage).
+    """
+
+    num_stages: int | None
+    layer_num: int | Literal["auto"] = "auto"
+    min_layers: int = 1
+    submesh_shapes: tuple[tuple[int, int], ...] | None = None
+    equal_layers: bool = False
+    logical_shape: tuple[int, ...] | None = None
+    batch_axis: bool = False
+
+
+@runtime_checkable
+class PipelineMethod(Method, Protocol):
+    """A method that runs the step as pipeline stages on sub-meshes."""
+
+    schedule: ScheduleName
+
+    def stage_layout(self, num_devices: int, devices_per_host: int) -> StageLayout:
+        """The stage search's freedom on `num_devices` devices (`devices_per_host` each)."""
+        ...
 
 
 def _check_common(name: str, memory_budget_bytes, solver, time_limit_s) -> None:
-    if solver not in _SOLVERS:
-        raise ValueError(f"{name}(solver={solver!r}): valid solvers are {list(_SOLVERS)}")
+    if solver not in BACKENDS:
+        raise ValueError(f"{name}(solver={solver!r}): valid solvers are {list(BACKENDS)}")
     if not time_limit_s > 0:
         raise ValueError(f"{name}(time_limit_s={time_limit_s!r}) must be positive")
     if memory_budget_bytes is not None and not memory_budget_bytes > 0:
         raise ValueError(f"{name}(memory_budget_bytes={memory_budget_bytes!r}) must be positive "
                          f"(or None for the device's memory)")
+
+
+def _check_count(name: str, field: str, value, allow_auto: bool = False) -> None:
+    if allow_auto and value == "auto":
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        extra = ' or "auto"' if allow_auto else ""
+        raise ValueError(f"{name}({field}={value!r}) must be a positive int{extra}")
+
+
+def _check_schedule(name: str, schedule: str) -> None:
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"{name}(schedule={schedule!r}): valid schedules are "
+                         f"{list(_SCHEDULES)}")
 
 
 def batch_input_spec(shape: Sequence[int], mesh: MeshContext) -> Spec:
@@ -51,24 +155,23 @@ class ShardParallel:
       mesh_shape: logical mesh, e.g. (2, 4); None tries (n,) and every 2-D factorization
         of the device count and keeps the cheapest.
       memory_budget_bytes: peak bytes per device the plan must fit (None: device memory).
-      solver: ILP backend: "highs", "cbc", or "auto" (HiGHS when highspy is installed,
-        else CBC; HiGHS proved the small-GPT plans optimal 13x faster than CBC here).
+      solver: sharding-solver backend, one of `autopar.passes.solver.BACKENDS`; "auto"
+        picks the best installed one.
       time_limit_s: solver wall-clock limit per mesh shape, seconds.
       num_micro_batches: gradient accumulation steps (the batch is split on dim 0).
     """
 
     mesh_shape: tuple[int, ...] | None = None
     memory_budget_bytes: float | None = None
-    solver: Solver = "auto"
+    solver: Backend = DEFAULT_BACKEND
     time_limit_s: float = 60.0
     num_micro_batches: int = 1
-    name = "shard"
+    name: ClassVar[str] = "shard"
+    pipelined: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         _check_common("ShardParallel", self.memory_budget_bytes, self.solver, self.time_limit_s)
-        if not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1:
-            raise ValueError(f"ShardParallel(num_micro_batches={self.num_micro_batches!r}) must "
-                             f"be a positive int")
+        _check_count("ShardParallel", "num_micro_batches", self.num_micro_batches)
         if self.mesh_shape is not None:
             shape = tuple(self.mesh_shape)
             if not 1 <= len(shape) <= 2 or any(not isinstance(n, int) or n < 1 for n in shape):
@@ -99,10 +202,12 @@ class DataParallel:
     """Batch split over all devices; parameters and optimizer state replicated."""
 
     memory_budget_bytes: float | None = None
-    solver: Solver = "auto"
+    solver: Backend = DEFAULT_BACKEND
     time_limit_s: float = 60.0
-    name = "dp"
-    _sharded_roles: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False)
+    name: ClassVar[str] = "dp"
+    pipelined: ClassVar[bool] = False
+    num_micro_batches: ClassVar[int] = 1
+    _sharded_roles: ClassVar[tuple[Role, ...]] = ()
 
     def __post_init__(self) -> None:
         _check_common(type(self).__name__, self.memory_budget_bytes, self.solver,
@@ -135,30 +240,16 @@ class DataParallel:
 class Zero2Parallel(DataParallel):
     """Data parallel with optimizer state (and so gradient reduction) split (ZeRO-2)."""
 
-    name = "zero2"
-    _sharded_roles: tuple[str, ...] = dataclasses.field(default=("state",), init=False,
-                                                         repr=False)
+    name: ClassVar[str] = "zero2"
+    _sharded_roles: ClassVar[tuple[Role, ...]] = ("state",)
 
 
 @dataclasses.dataclass(frozen=True)
 class Zero3Parallel(DataParallel):
     """Data parallel with parameters and optimizer state split (ZeRO-3 / FSDP)."""
 
-    name = "zero3"
-    _sharded_roles: tuple[str, ...] = dataclasses.field(default=("state", "param"), init=False,
-                                                         repr=False)
-
-
-ScheduleName = Literal["1f1b", "gpipe"]
-_SCHEDULES = ("1f1b", "gpipe")
-
-
-def _check_count(name: str, field: str, value, allow_auto: bool) -> None:
-    if allow_auto and value == "auto":
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        extra = ' or "auto"' if allow_auto else ""
-        raise ValueError(f"{name}({field}={value!r}) must be a positive int{extra}")
+    name: ClassVar[str] = "zero3"
+    _sharded_roles: ClassVar[tuple[Role, ...]] = ("state", "param")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,25 +273,39 @@ class PipeshardParallel:
     schedule: ScheduleName = "1f1b"
     submesh_shapes: tuple[tuple[int, int], ...] | None = None
     memory_budget_bytes: float | None = None
-    solver: Solver = "auto"
+    solver: Backend = DEFAULT_BACKEND
     time_limit_s: float = 20.0
-    name = "pipeshard"
+    name: ClassVar[str] = "pipeshard"
+    pipelined: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         n = type(self).__name__
         _check_common(n, self.memory_budget_bytes, self.solver, self.time_limit_s)
-        _check_count(n, "num_micro_batches", self.num_micro_batches, False)
-        _check_count(n, "num_stages", self.num_stages, True)
-        _check_count(n, "layer_num", self.layer_num, True)
-        if self.schedule not in _SCHEDULES:
-            raise ValueError(f"{n}(schedule={self.schedule!r}): valid schedules are "
-                             f"{list(_SCHEDULES)}")
+        _check_count(n, "num_micro_batches", self.num_micro_batches)
+        _check_count(n, "num_stages", self.num_stages, allow_auto=True)
+        _check_count(n, "layer_num", self.layer_num, allow_auto=True)
+        _check_schedule(n, self.schedule)
         if self.submesh_shapes is not None:
             shapes = tuple(tuple(int(x) for x in s) for s in self.submesh_shapes)
             if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
                 raise ValueError(f"{n}(submesh_shapes={self.submesh_shapes!r}): give one "
                                  f"(hosts, devices per host) pair per stage")
             object.__setattr__(self, "submesh_shapes", shapes)
+
+    def stage_layout(self, num_devices: int, devices_per_host: int) -> StageLayout:
+        fixed = None if self.num_stages == "auto" else self.num_stages
+        if self.submesh_shapes is not None:
+            covered = sum(h * d for h, d in self.submesh_shapes)
+            if covered != num_devices:
+                raise ValueError(f"PipeshardParallel(submesh_shapes={self.submesh_shapes}) "
+                                 f"covers {covered} devices, {num_devices} are used")
+        if fixed is not None and fixed > num_devices:
+            raise ValueError(f"PipeshardParallel: {fixed} stages need at least {fixed} "
+                             f"devices, {num_devices} are used")
+        min_layers = (fixed if fixed is not None else
+                      len(self.submesh_shapes) if self.submesh_shapes is not None else 1)
+        return StageLayout(num_stages=fixed, layer_num=self.layer_num, min_layers=min_layers,
+                           submesh_shapes=self.submesh_shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,17 +319,27 @@ class Manual3DParallel:
     pp: int = 1
     num_micro_batches: int = 1
     schedule: ScheduleName = "1f1b"
-    solver: Solver = "auto"
+    solver: Backend = DEFAULT_BACKEND
     time_limit_s: float = 20.0
     memory_budget_bytes: float | None = None
-    name = "3d"
+    name: ClassVar[str] = "3d"
+    pipelined: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         for field in ("dp", "tp", "pp", "num_micro_batches"):
-            _check_count("Manual3DParallel", field, getattr(self, field), False)
-        if self.schedule not in _SCHEDULES:
-            raise ValueError(f"Manual3DParallel(schedule={self.schedule!r}): valid schedules "
-                             f"are {list(_SCHEDULES)}")
+            _check_count("Manual3DParallel", field, getattr(self, field))
+        _check_common("Manual3DParallel", self.memory_budget_bytes, self.solver,
+                      self.time_limit_s)
+        _check_schedule("Manual3DParallel", self.schedule)
 
-
-Method = ShardParallel | DataParallel | PipeshardParallel | Manual3DParallel
+    def stage_layout(self, num_devices: int, devices_per_host: int) -> StageLayout:
+        if self.dp * self.tp * self.pp != num_devices:
+            raise ValueError(f"Manual3DParallel(dp={self.dp}, tp={self.tp}, pp={self.pp}) "
+                             f"needs {self.dp * self.tp * self.pp} devices, {num_devices} "
+                             f"are used")
+        per = num_devices // self.pp
+        submesh = (1, per) if per <= devices_per_host else (per // devices_per_host,
+                                                            devices_per_host)
+        return StageLayout(num_stages=self.pp, min_layers=self.pp,
+                           submesh_shapes=(submesh,) * self.pp, equal_layers=True,
+                           logical_shape=(self.dp, self.tp), batch_axis=True)

@@ -19,6 +19,8 @@ import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 
+from autopar.graph import is_float
+
 from .markers import compute_grad_p
 
 
@@ -130,13 +132,9 @@ def _bind(eqn: Any, ins: list[Any]) -> list[Any]:
 
 
 def _mean(xs: list[Any]) -> Any:
-    if not _is_float(xs[0]):
+    if not is_float(jnp.result_type(xs[0])):
         return xs[-1]
     total = xs[0]
     for x in xs[1:]:
         total = total + x
     return total / len(xs)
-
-
-def _is_float(x: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)

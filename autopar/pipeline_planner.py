@@ -30,10 +30,12 @@ from autopar.passes import inter_op, intra_op, layering
 from autopar.passes.sharding_spec import MeshContext, Spec
 
 from . import pipeline
-from .methods import Manual3DParallel, PipeshardParallel
+from .methods import PipelineMethod
 from .plan import Plan, PredictedCost, StagePlan
 from .runtime import StageFunction
 
+# Layer costs only rank stage layouts: a short solver limit per layer solve (the solver then
+# returns its best incumbent) keeps dozens of layer solves affordable.  Seconds.
 LAYER_TIME_LIMIT_S = 1.0
 
 
@@ -175,7 +177,7 @@ def _cheapest(options: dict[tuple[int, ...], _Priced]) -> _Priced:
     return min(options.values(), key=lambda p: p.cost_s)
 
 
-def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParallel,
+def search(split: pipeline.SplitStep, method: PipelineMethod,
            cluster: ClusterSpec, device_ids: Sequence[int], *, fp: str,
            input_names: Sequence[str], in_shapes: Sequence[tuple[int, ...]],
            out_shapes: Sequence[tuple[int, ...]], batch_size: int | None,
@@ -199,47 +201,26 @@ def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParall
     n = len(device_ids)
     hosts = cluster.num_hosts if n == cluster.num_devices else 1
     per_host = n // hosts
-    manual = isinstance(method, Manual3DParallel)
-    if manual:
-        if method.dp * method.tp * method.pp != n:
-            raise ValueError(f"Manual3DParallel(dp={method.dp}, tp={method.tp}, "
-                             f"pp={method.pp}) needs {method.dp * method.tp * method.pp} "
-                             f"devices, {n} are used")
-        stage_count = method.pp
-        num_layers, min_layers = "auto", method.pp
-    else:
-        stage_count = method.num_stages
-        num_layers = method.layer_num
-        min_layers = 1
-        if stage_count != "auto":
-            min_layers = stage_count
-        elif method.submesh_shapes is not None:
-            min_layers = len(method.submesh_shapes)
+    layout = method.stage_layout(n, per_host)
     if progress:
         progress("layering")
     t_phase = time.perf_counter()
-    lay = layering.run(graph, num_layers, min_layers=min_layers)
+    lay = layering.run(graph, layout.layer_num, min_layers=layout.min_layers)
     phases["layering"] = time.perf_counter() - t_phase
-    if stage_count != "auto" and stage_count > lay.num_layers:
-        raise ValueError(f"{type(method).__name__}: {stage_count} stages need at least as many "
-                         f"layers, the forward has {lay.num_layers}")
-    if stage_count != "auto" and stage_count > n:
-        raise ValueError(f"{type(method).__name__}: {stage_count} stages need at least "
-                         f"{stage_count} devices, {n} are used")
+    if layout.num_stages is not None and layout.num_stages > lay.num_layers:
+        raise ValueError(f"{type(method).__name__}: {layout.num_stages} stages need at least "
+                         f"as many layers, the forward has {lay.num_layers}")
     ranges = lay.eqn_ranges()
     layer_programs = pipeline.stage_programs(graph, [a for a, _ in ranges[1:]])
     budget = method.memory_budget_bytes or cluster.memory_bytes
     kw = dict(solver=method.solver, time_limit_s=method.time_limit_s, batch_size=batch_size)
-    # Layer costs only rank stage layouts: a short ILP limit (the solver then returns its
-    # heuristic incumbent) keeps dozens of layer solves affordable.
     layer_kw = dict(kw, time_limit_s=min(method.time_limit_s, LAYER_TIME_LIMIT_S))
     layer_cache: dict[tuple[str, tuple[int, int]], dict[tuple[int, ...], _Priced]] = {}
     layer_seen: set[tuple[int, tuple[int, int]]] = set()
     layer_pairs = lay.num_layers * len(
-        set(method.submesh_shapes) if not manual and method.submesh_shapes is not None
+        set(layout.submesh_shapes) if layout.submesh_shapes is not None
         else inter_op.submesh_shapes(hosts, per_host))
-
-    fixed_shape = [(method.dp, method.tp)] if manual else None
+    fixed_shape = [layout.logical_shape] if layout.logical_shape is not None else None
 
     def layer_options(layer: int, submesh: tuple[int, int]) -> dict[tuple[int, ...], _Priced]:
         prog = layer_programs[layer]
@@ -250,7 +231,8 @@ def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParall
                 progress(f"layer ILP {len(layer_seen)}/{layer_pairs}: layer {layer} on "
                          f"sub-mesh {submesh}")
             layer_cache[key] = price_stage(graph, prog, diff, cluster, submesh,
-                                           forced_batch_axis=manual, shapes=fixed_shape,
+                                           forced_batch_axis=layout.batch_axis,
+                                           shapes=fixed_shape,
                                            remat=split.remat,
                                            num_micro_batches=method.num_micro_batches,
                                            **layer_kw)
@@ -262,17 +244,11 @@ def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParall
         return _cheapest(layer_options(layer, submesh))
 
     t_phase = time.perf_counter()
-    if manual:
-        per = n // method.pp
-        submesh = (1, per) if per <= per_host else (per // per_host, per_host)
-        bounds = _uniform(lay.num_layers, method.pp)
-        choice = [(b, submesh) for b in bounds]
-    elif method.submesh_shapes is not None:
-        shapes = list(method.submesh_shapes)
-        if sum(h * d for h, d in shapes) != n:
-            raise ValueError(f"PipeshardParallel(submesh_shapes={tuple(shapes)}) covers "
-                             f"{sum(h * d for h, d in shapes)} devices, {n} are used")
-        choice = _best_split(lay.num_layers, shapes, layer_cost, micro)
+    if layout.equal_layers:
+        bounds = inter_op.equal_ranges(lay.num_layers, len(layout.submesh_shapes))
+        choice = list(zip(bounds, layout.submesh_shapes))
+    elif layout.submesh_shapes is not None:
+        choice = _best_split(lay.num_layers, list(layout.submesh_shapes), layer_cost, micro)
         phases["layer ILPs + stage split"] = time.perf_counter() - t_phase
     else:
         submeshes = inter_op.submesh_shapes(hosts, per_host)
@@ -292,7 +268,7 @@ def search(split: pipeline.SplitStep, method: PipeshardParallel | Manual3DParall
 
         result = inter_op.run(lay.num_layers, submeshes, stage_cost, num_devices=n,
                               num_micro_batches=micro,
-                              num_stages=None if stage_count == "auto" else stage_count)
+                              num_stages=layout.num_stages)
         choice = [(st.layers, st.submesh) for st in result.stages]
         # inter_op fills its cost table (the layer ILPs) before the DP proper.
         phases["layer ILPs"] = result.stats["cost_s"]
@@ -401,11 +377,6 @@ def _program_key(graph: Graph, prog: pipeline.StageProgram) -> str:
         lines.append(f"{outs}={e.name}{sorted(e.params.items())!r}{ins}")
     lines.append(str([name(o) for o in prog.outputs]))
     return "\n".join(lines)
-
-
-def _uniform(num_layers: int, parts: int) -> list[tuple[int, int]]:
-    edges = [round(k * num_layers / parts) for k in range(parts + 1)]
-    return [(edges[k], edges[k + 1] - 1) for k in range(parts)]
 
 
 def _best_split(num_layers: int, shapes: list[tuple[int, int]],

@@ -206,35 +206,11 @@ class Plan:
     # ---- reading --------------------------------------------------------------------------
 
     def summary(self) -> str:
-        """A short human-readable table of the plan."""
-        p = self.predicted
-        lines = [
-            f"autopar plan ({self.method}) for {self.cluster}, fingerprint {self.fingerprint}",
-            f"  logical mesh      {self.mesh_shape} axes {self.mesh_axes}",
-            f"  predicted step    {p.step_s * 1e3:.3f} ms (compute {p.compute_s * 1e3:.3f} ms, "
-            f"communication {p.comm_s * 1e3:.3f} ms)",
-            f"  memory per device {p.memory_bytes / 2**20:.1f} MiB",
-        ]
-        if self.candidates:
-            tried = ", ".join(f"{s}: {c * 1e3:.3f} ms" for s, c in self.candidates)
-            lines.append(f"  meshes tried      {tried}")
-        if self.stages:
-            lines.append(f"  pipeline          {len(self.stages)} stages, "
-                         f"{self.num_micro_batches} micro-batches, {self.schedule}")
-            lines.append("    stage  layers   devices              mesh      ms/micro-batch")
-            for i, st in enumerate(self.stages):
-                devs = f"{st.device_ids[0]}-{st.device_ids[-1]}" if st.device_ids else "-"
-                lines.append(f"    {i:<6} {st.layers[0]:>2}-{st.layers[1]:<4}  {devs:<20} "
-                             f"{str(st.mesh_shape):<9} {st.predicted_s * 1e3:.3f}")
-            return "\n".join(lines)
-        split = [(n, s) for n, s in zip(self.input_names, self.in_specs) if any(s)]
-        lines.append(f"  inputs split      {len(split)} of {len(self.in_specs)}")
-        for name, spec in split[:12]:
-            lines.append(f"    {name:<40} {format_spec(spec)}")
-        if len(split) > 12:
-            lines.append(f"    ... {len(split) - 12} more")
-        return "\n".join(lines)
+        """The table `autopar plan` and `autopar show` print: stages or the mesh, predicted
+        time, TFLOP/s and memory per device, search time, and the split inputs."""
+        from autopar import report
 
+        return report.summary(self)
 
     def schedule_chart(self, path: str | os.PathLike[str]) -> None:
         """Draws the pipeline schedule (stages x time, forward/backward per micro-batch)

@@ -21,18 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.graph import Graph, Lit
+from autopar.graph import Graph, Lit, is_float
 
 from .microbatch import micro_slice
 from .pipeline import SplitStep, StageProgram
 from .schedules import Schedule
-
-
-def _is_float(aval_dtype: Any) -> bool:
-    try:
-        return bool(jnp.issubdtype(aval_dtype, jnp.inexact))
-    except TypeError:
-        return False
 
 
 def _on_mesh(x: Any, sharding: NamedSharding) -> Any:
@@ -69,11 +62,11 @@ class StageFunction:
         stage (`jax.checkpoint`) — the step's own `jax.checkpoint`/`nn.remat` boundaries are
         gone once F is flattened, so pipelines rematerialize per stage instead."""
         values = graph.values
-        diff = tuple(v for v in program.inputs if v in diff_values and _is_float(values[v].dtype))
+        diff = tuple(v for v in program.inputs if v in diff_values and is_float(values[v].dtype))
         return StageFunction(
             graph, program, diff, tuple(v for v in program.inputs if v not in diff),
-            tuple(v for v in program.outputs if _is_float(values[v].dtype)),
-            tuple(v for v in program.outputs if not _is_float(values[v].dtype)), remat)
+            tuple(v for v in program.outputs if is_float(values[v].dtype)),
+            tuple(v for v in program.outputs if not is_float(values[v].dtype)), remat)
 
     def __call__(self, diff: Sequence[Any], nondiff: Sequence[Any]):
         env = dict(zip(self.diff_ids, diff))
@@ -336,7 +329,7 @@ class PipelineRuntime:
             total = parts[0]
             for p in parts[1:]:
                 total = total + p
-            values.append(total / n if _is_float(parts[0].dtype) else parts[-1])
+            values.append(total / n if is_float(parts[0].dtype) else parts[-1])
         grad_values = []
         for j in split.diff_inputs:
             vid = self.f_inputs[j]

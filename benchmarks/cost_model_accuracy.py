@@ -103,8 +103,7 @@ def plan_and_compile(case: models.Case, method, cluster, state, batch):
 
 def replay_prices(step, method, plan, state, batch, clusters: list[ClusterSpec]):
     """intra_op.price_specs of the plan's own layout under each cluster."""
-    entry, _ = step._entry((state, batch))  # the traced program the plan was made for
-    program = entry.traced.program
+    program = step.trace(state, batch).program  # the traced program the plan was made for
     graph = program.graph
     meshes = [MeshContext.build(plan.mesh_shape, c) for c in clusters]
     assert meshes[0].axes == tuple(plan.mesh_axes)
@@ -174,7 +173,7 @@ def audit_part(cases, quick: bool) -> list[dict]:
         for label, method in methods(names, quick):
             step, plan, compiled, search_s = plan_and_compile(case, method, plan_cluster,
                                                               state, batch)
-            whatif = memory_what_if(step._entry((state, batch))[0].traced.program, plan,
+            whatif = memory_what_if(step.trace(state, batch).program, plan,
                                     MeshContext.build(plan.mesh_shape, plan_cluster))
             own, vol = replay_prices(step, method, plan, state, batch,
                                      [plan_cluster, bytes_cluster])

@@ -37,13 +37,11 @@ import re
 from collections.abc import Callable, Sequence
 
 from autopar.cost_model import ClusterSpec
+from autopar.passes.inter_op import equal_ranges
 from autopar.passes.sharding_spec import MeshContext, Spec, replicated
-from autopar.pipeline_planner import _Priced, price_stage, update_time_s
+from autopar.pipeline_planner import LAYER_TIME_LIMIT_S, _Priced, price_stage, update_time_s
 from benchmarks.baselines import megatron_dim
 from benchmarks.workload import Workload
-
-LAYER_TIME_LIMIT_S = 1.0
-
 
 # ----------------------------------------------------------------------------- param rules
 
@@ -213,9 +211,8 @@ class Pricer:
             if layout.pp > len(w.layers):
                 raise ValueError(f"{self.model}: {layout.pp} stages but only "
                                  f"{len(w.layers)} layers")
-            edges = [round(k * len(w.layers) / layout.pp) for k in range(layout.pp + 1)]
-            stages = [((edges[k], edges[k + 1] - 1), (layout.dp, layout.tp))
-                      for k in range(layout.pp)]
+            stages = [(layers, (layout.dp, layout.tp))
+                      for layers in equal_ranges(len(w.layers), layout.pp)]
         costs = []
         for s, (layers, mesh_shape) in enumerate(stages):
             costs.append(self._stage(w, layout, layers, tuple(mesh_shape),

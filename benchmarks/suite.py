@@ -290,7 +290,7 @@ def chart(suite: str, cluster: ClusterSpec, rows: list[dict], path: pathlib.Path
     plt.close(fig)
 
 
-def run(suite: str, cluster_name: str, *, out_dir: pathlib.Path = RESULTS,
+def run(suite: str, cluster_name: str | ClusterSpec, *, out_dir: pathlib.Path = RESULTS,
         max_devices: int | None = None, progress: Callable[[str], None] | None = None) -> dict:
     """Runs a suite on a preset and writes <suite>-<cluster>.md/.json/.png."""
     if suite not in SUITES:

@@ -1,9 +1,10 @@
 """Cost model: cluster specs and presets, α-β collectives, roofline compute (DESIGN §6)."""
 
-from . import collectives, compute, devices, hlo_audit, profiler
+from . import collectives, compute, devices, hlo_audit, profiler, units
 from .cluster import ClusterSpec, Link
 from .hlo_audit import Audit, audit
 from .profiler import ProfileResult, profile
+from .units import format_bytes, parse_size
 
 __all__ = [
     "Audit",
@@ -14,7 +15,10 @@ __all__ = [
     "collectives",
     "compute",
     "devices",
+    "format_bytes",
     "hlo_audit",
+    "parse_size",
     "profile",
     "profiler",
+    "units",
 ]

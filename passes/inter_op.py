@@ -81,6 +81,16 @@ def submesh_shapes(num_hosts: int, devices_per_host: int) -> list[tuple[int, int
     return shapes
 
 
+def equal_ranges(num_layers: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous (first, last) layer ranges of (nearly) equal length — the stages
+    of a hand-written pipeline (Megatron-style equal layer counts)."""
+    if not 1 <= parts <= num_layers:
+        raise ValueError(f"equal_ranges: cannot cut {num_layers} layers into {parts} "
+                         f"non-empty stages")
+    edges = [round(k * num_layers / parts) for k in range(parts + 1)]
+    return [(edges[k], edges[k + 1] - 1) for k in range(parts)]
+
+
 def run(num_layers: int, submeshes: Sequence[tuple[int, int]],
         stage_cost: Callable[[int, int, int], float | None], *, num_devices: int,
         num_micro_batches: int, num_stages: int | None = None) -> InterOpResult:

@@ -22,11 +22,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from autopar.graph import Graph, Lit, Value
+from autopar.cost_model.units import format_bytes
+from autopar.graph import Graph, Lit, Value, is_numeric
 
 from . import strategies as st
 from .sharding_spec import MeshContext, Spec, enumerate_specs, is_valid, replicated, reshard_s
-from .solver import InfeasibleError, ShardingProblem, Solution, solve
+from .solver import DEFAULT_BACKEND, Backend, InfeasibleError, ShardingProblem, Solution, solve
 
 
 class MemoryBudgetError(ValueError):
@@ -40,13 +41,6 @@ class MemoryBudgetError(ValueError):
             f"{mesh_shape}: the smallest found needs {format_bytes(smallest_bytes)} "
             f"(raise memory_budget_bytes, use more devices, or shrink the model/batch)"
         )
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +90,7 @@ def run(graph: Graph, mesh: MeshContext, *,
         ties: Sequence[tuple[int, int]] = (),
         memory_budget_bytes: float | None = None,
         batch_size: int | None = None,
-        solver: str = "cbc",
+        solver: Backend = DEFAULT_BACKEND,
         time_limit_s: float = 60.0,
         comm_scale: Mapping[int, float] | None = None) -> IntraOpResult:
     """Chooses a spec for every value of `graph` on `mesh`.
@@ -301,7 +295,7 @@ class _ProblemBuilder:
     def add_input(self, value: Value) -> None:
         if value.id in self.forced:
             specs = [self.forced[value.id]]
-        elif not _is_numeric(value):
+        elif not is_numeric(value.dtype):
             specs = [replicated(value.ndim)]
         else:
             specs = list(enumerate_specs(value.shape, self.mesh))
@@ -416,14 +410,6 @@ def _dedupe(strategies: list[st.Strategy]) -> list[st.Strategy]:
     return list(best.values())
 
 
-def _is_numeric(value: Value) -> bool:
-    try:
-        np.dtype(value.dtype)
-        return True
-    except TypeError:
-        return False
-
-
 def _safe_follow(rule: st.StrategyRule, info: st.EqnInfo, lead: int, spec: Spec,
                  mesh: MeshContext) -> st.FollowResult:
     try:
@@ -459,7 +445,7 @@ def price_specs(graph: Graph, value_specs: Mapping[int, Spec],
                 forced: Mapping[int, Spec] | None = None,
                 ties: Sequence[tuple[int, int]] = (),
                 batch_size: int | None = None,
-                solver: str = "cbc",
+                solver: Backend = DEFAULT_BACKEND,
                 time_limit_s: float = 60.0) -> list[SpecsPrice]:
     """Prices the program with its values laid out as `value_specs` (a plan's input and
     intermediate specs), on each of `meshes` (one logical shape, possibly different

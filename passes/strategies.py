@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 from autopar.cost_model import compute
-from autopar.graph import Eqn
+from autopar.graph import ELEMENTWISE, Eqn
 
 from .sharding_spec import MeshContext, Spec, enumerate_specs, replicated
 
@@ -501,15 +501,6 @@ def enumerate_opaque(info: EqnInfo, mesh: MeshContext) -> list[Strategy]:
 
 _follow = lambda fn, leader=largest_operand: StrategyRule("follow", follow=fn, leader=leader)
 _enum = lambda fn: StrategyRule("enumerate", enumerate=fn)
-
-ELEMENTWISE = (
-    "add add_any sub mul div max min neg exp exp2 log log1p tanh logistic sin cos tan sqrt "
-    "rsqrt cbrt pow integer_pow abs sign floor ceil round erf erfc erf_inv select_n clamp "
-    "square expm1 atan2 asin acos atan sinh cosh asinh acosh atanh rem nextafter is_finite "
-    "convert_element_type bitcast_convert_type reduce_precision copy copy_p stop_gradient "
-    "eq ne lt le gt ge and or not xor shift_left shift_right_logical shift_right_arithmetic "
-    "population_count clz real imag conj complex optimization_barrier"
-).split()
 
 strategy_rules: dict[str, StrategyRule] = {
     **{name: _follow(follow_elementwise) for name in ELEMENTWISE},

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from autopar.cli import UsageError, parse_size
+from autopar.cost_model import parse_size
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -117,7 +117,7 @@ def test_parse_size():
     assert parse_size("1e9") == 1e9
     assert parse_size("16GB") == 16e9
     for bad in ("", "forty", "12XB", "-1GiB", "0"):
-        with pytest.raises(UsageError, match="invalid size"):
+        with pytest.raises(ValueError, match="invalid size"):
             parse_size(bad)
 
 

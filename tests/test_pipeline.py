@@ -27,8 +27,7 @@ def _pipeshard(case, **kwargs):
 
 
 def _runtime(step, case):
-    entry, _ = step._entry(case.init())
-    return entry.executable
+    return step.trace(*case.init()).executable
 
 
 @pytest.mark.parametrize("stages,micro,schedule", [(2, 4, "1f1b"), (4, 8, "1f1b"),

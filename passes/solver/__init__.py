@@ -4,9 +4,12 @@ from autopar.passes.solver.evaluate import evaluate
 from autopar.passes.solver.iopddl import load_iopddl
 from autopar.passes.solver.problem import INFINITE_COST, ShardingProblem, Solution
 from autopar.passes.solver.reduce import InfeasibleError
-from autopar.passes.solver.solve import solve
+from autopar.passes.solver.solve import BACKENDS, DEFAULT_BACKEND, Backend, solve
 
 __all__ = [
+    "BACKENDS",
+    "DEFAULT_BACKEND",
+    "Backend",
     "INFINITE_COST",
     "InfeasibleError",
     "ShardingProblem",

@@ -18,7 +18,9 @@ from autopar.passes.solver.problem import ShardingProblem, Solution
 from autopar.passes.solver.reduce import reduce_problem
 
 Backend = Literal["cbc", "highs", "auto"]
-_BACKENDS = ("cbc", "highs", "auto")
+BACKENDS: tuple[Backend, ...] = ("cbc", "highs", "auto")
+"""The valid `backend` names; "auto" picks the best installed one."""
+DEFAULT_BACKEND: Backend = "auto"
 # Fraction of the remaining time the heuristic gets before the ILP when the ILP fits.
 _HEURISTIC_SHARE = 0.1
 _HEURISTIC_MAX_S = 5.0
@@ -27,8 +29,8 @@ _BOUND_SHARE = 0.12
 
 
 def _resolve_backend(backend: str) -> str:
-    if backend not in _BACKENDS:
-        raise ValueError(f"solve: backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"solve: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "highs" if importlib.util.find_spec("highspy") is not None else "cbc"
     if backend == "highs" and importlib.util.find_spec("highspy") is None:
@@ -39,7 +41,7 @@ def _resolve_backend(backend: str) -> str:
 def solve(
     problem: ShardingProblem,
     time_limit_s: float = 60.0,
-    backend: Backend = "cbc",
+    backend: Backend = DEFAULT_BACKEND,
     *,
     threads: int = 2,
     verbose: bool = False,
