@@ -3,11 +3,14 @@
 from autopar.cost_model import ClusterSpec
 from autopar.passes.intra_op import MemoryBudgetError
 
-from .api import FingerprintError, ParallelizedFunction, parallelize, plan
+from .api import FingerprintError, ParallelizedFunction, Traced, parallelize, plan
 from .markers import grad, mark_pipeline_boundary, value_and_grad
 from .methods import (
     DataParallel,
     Manual3DParallel,
+    MeshMethod,
+    Method,
+    PipelineMethod,
     PipeshardParallel,
     ShardParallel,
     Zero2Parallel,
@@ -21,13 +24,17 @@ __all__ = [
     "FingerprintError",
     "Manual3DParallel",
     "MemoryBudgetError",
+    "MeshMethod",
+    "Method",
     "ParallelizedFunction",
+    "PipelineMethod",
     "PipeshardParallel",
     "Plan",
     "PlanError",
     "PredictedCost",
     "ShardParallel",
     "StagePlan",
+    "Traced",
     "Zero2Parallel",
     "Zero3Parallel",
     "grad",
