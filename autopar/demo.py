@@ -1,10 +1,11 @@
 """`autopar demo`: the whole path on 8 emulated CPU devices, checked against one device.
 
-A tiny GPT (flax.linen: vocab 64, sequence 16, hidden 32, 2 layers, batch 16) with a plain
-SGD train step that computes its gradients with `autopar.value_and_grad`.  The demo
-searches an automatic plan (ShardParallel over the 8 devices), prints it, trains N steps
-under the plan, trains the same N steps with the single-device `jax.jit` step, and
-compares the losses (rtol 1e-4; SGD keeps the reduction-order noise ~1e-7).
+A tiny GPT (the zoo's `autopar.models.GPT_TINY`: vocab 64, sequence 16, hidden 32, 2 layers,
+4 heads; batch 16) with a plain SGD train step that computes its gradients with
+`autopar.value_and_grad`.  The demo searches an automatic plan (ShardParallel over the 8
+devices), prints it, trains N steps under the plan, trains the same N steps with the
+single-device `jax.jit` step, and compares the losses (rtol 1e-4; SGD keeps the
+reduction-order noise ~1e-7).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable
 
 NUM_DEVICES = 8
-VOCAB, SEQ, HIDDEN, LAYERS, HEADS, BATCH = 64, 16, 32, 2, 4, 16
+BATCH = 16
 LEARNING_RATE = 0.1
 RTOL = 1e-4
 
@@ -34,56 +35,25 @@ def use_cpu_devices(n: int = NUM_DEVICES) -> None:
 
 def make_model_and_step():
     """(model, train_step, init_state, batches): the demo's tiny GPT and its SGD step."""
-    import flax.linen as nn
     import jax
     import jax.numpy as jnp
     import optax
 
-    import autopar
+    from autopar.models import GPT_TINY, gpt_train_step
 
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x, mask):
-            h = nn.LayerNorm()(x)
-            x = x + nn.MultiHeadDotProductAttention(num_heads=HEADS)(h, h, mask=mask)
-            h = nn.Dense(4 * HIDDEN)(nn.LayerNorm()(x))
-            return x + nn.Dense(HIDDEN)(nn.gelu(h))
-
-    class TinyGPT(nn.Module):
-        @nn.compact
-        def __call__(self, tokens):
-            embed = nn.Embed(VOCAB, HIDDEN)
-            pos = self.param("pos", nn.initializers.normal(0.02), (SEQ, HIDDEN))
-            x = embed(tokens) + pos[: tokens.shape[1]]
-            mask = nn.make_causal_mask(tokens)
-            for _ in range(LAYERS):
-                x = Block()(x, mask)
-            return embed.attend(nn.LayerNorm()(x))
-
-    model = TinyGPT()
-    tx = optax.sgd(LEARNING_RATE)
-
-    def loss_fn(params, batch):
-        logits = model.apply(params, batch["tokens"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
-
-    def train_step(state, batch):
-        loss, grads = autopar.value_and_grad(loss_fn)(state["params"], batch)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates),
-                "opt_state": opt_state}, loss
-
-    params = model.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))
+    cfg = GPT_TINY
+    train_step, model, tx = gpt_train_step(cfg, tx=optax.sgd(LEARNING_RATE))
+    params = model.init(jax.random.key(0), jnp.zeros((1, cfg.seq), jnp.int32))["params"]
     state = {"params": params, "opt_state": tx.init(params)}
 
     def batches(steps: int) -> list[dict]:
-        # Learnable sequences: token t+1 = token t + stride (mod VOCAB), per-row stride.
+        # Learnable sequences: token t+1 = token t + stride (mod vocab), per-row stride.
         out = []
         for k in range(steps):
             key = jax.random.fold_in(jax.random.key(1), k)
-            start = jax.random.randint(key, (BATCH, 1), 0, VOCAB)
+            start = jax.random.randint(key, (BATCH, 1), 0, cfg.vocab)
             stride = 1 + jnp.arange(BATCH)[:, None] % 3
-            seq = (start + stride * jnp.arange(SEQ + 1)[None, :]) % VOCAB
+            seq = (start + stride * jnp.arange(cfg.seq + 1)[None, :]) % cfg.vocab
             out.append({"tokens": seq[:, :-1].astype(jnp.int32),
                         "labels": seq[:, 1:].astype(jnp.int32)})
         return out
@@ -94,8 +64,8 @@ def make_model_and_step():
 def _train(step: Callable, state, batches: list, progress=None, label: str = "") -> list[float]:
     losses = []
     for k, batch in enumerate(batches):
-        state, loss = step(state, batch)
-        losses.append(float(loss))
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
         if progress is not None:
             progress.update(k + 1, len(batches), f"{label} step {k + 1}/{len(batches)} "
                                                  f"loss {losses[-1]:.4f}")
@@ -120,13 +90,15 @@ def run(steps: int = 20, *, quiet: bool = False, out=None,
     import numpy as np
 
     import autopar
+    from autopar.models import GPT_TINY
     from autopar.progress import Progress
 
     t0 = time.perf_counter()
     _, train_step, state, make_batches = make_model_and_step()
     batches = make_batches(steps)
-    print(f"autopar demo: tiny GPT (vocab {VOCAB}, seq {SEQ}, hidden {HIDDEN}, {LAYERS} "
-          f"layers, batch {BATCH}), SGD lr {LEARNING_RATE}, {steps} steps on "
+    cfg = GPT_TINY
+    print(f"autopar demo: tiny GPT (vocab {cfg.vocab}, seq {cfg.seq}, hidden {cfg.hidden}, "
+          f"{cfg.layers} layers, batch {BATCH}), SGD lr {LEARNING_RATE}, {steps} steps on "
           f"{NUM_DEVICES} emulated CPU devices", file=out, flush=True)
 
     # A 10 s limit per mesh shape keeps the demo quick; the solver returns its best plan.

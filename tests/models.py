@@ -3,7 +3,8 @@
 Every case is a plain-JAX training step: ``step(state, batch) -> (new_state, metrics)`` that
 computes gradients with ``autopar.value_and_grad`` and updates with optax. Steps are pure and not
 jitted; tests jit them (or hand them to autopar) and compare. Models are small, and batch /
-hidden dimensions are multiples of 8 so they split over up to 8 devices.
+hidden dimensions are multiples of 8 so they split over up to 8 devices.  The GPT and the MoE
+layer are the installed zoo's (`autopar.models`) at tiny sizes; the rest exist only here.
 
 State is a dict pytree of arrays: ``params`` and ``opt_state`` always, plus ``batch_stats``
 (convbn) or a raw uint32 PRNG key ``rng`` (remat_dropout). Batches are dicts of arrays built
@@ -23,6 +24,7 @@ import optax
 from flax import nnx
 
 import autopar
+from autopar.models import GPT_TINY, MoEConfig, MoEFFN, gpt_train_step
 
 
 class _Grad:
@@ -136,48 +138,16 @@ def mlp_case(batch=16, hidden=32, layers=2, optimizer="sgd", num_classes=8, in_f
 # ----------------------------------------------------------------------------- gpt
 
 
-class GPTBlock(nn.Module):
-    hidden: int
-    heads: int
-
-    @nn.compact
-    def __call__(self, x, mask):
-        h = nn.LayerNorm()(x)
-        h = nn.MultiHeadDotProductAttention(num_heads=self.heads, qkv_features=self.hidden)(
-            h, mask=mask
-        )
-        x = x + h
-        h = nn.LayerNorm()(x)
-        h = nn.Dense(4 * self.hidden)(h)
-        h = nn.gelu(h)
-        h = nn.Dense(self.hidden)(h)
-        return x + h
-
-
-class TinyGPT(nn.Module):
-    vocab: int = 64
-    seq: int = 16
-    hidden: int = 32
-    heads: int = 4
-    blocks: int = 2
-    tied: bool = True
-
-    @nn.compact
-    def __call__(self, tokens):
-        embed = nn.Embed(self.vocab, self.hidden)
-        pos = self.param("pos_embed", nn.initializers.normal(0.02), (self.seq, self.hidden))
-        x = embed(tokens) + pos[None, : tokens.shape[1]]
-        mask = nn.make_causal_mask(tokens)
-        for _ in range(self.blocks):
-            x = GPTBlock(self.hidden, self.heads)(x, mask)
-        x = nn.LayerNorm()(x)
-        if self.tied:
-            return embed.attend(x)
-        return nn.Dense(self.vocab, use_bias=False)(x)
+def _grad_at_call_time(*args, **kwargs):
+    return GRAD.value_and_grad(*args, **kwargs)
 
 
 def gpt_case(optimizer="sgd", batch=16, seq=16, hidden=32, heads=4, vocab=64, tied=True):
-    model = TinyGPT(vocab=vocab, seq=seq, hidden=hidden, heads=heads, tied=tied)
+    """The zoo's GPT (`autopar.models.GPT_TINY`: 2 layers, float32, no remat) at these sizes;
+    its next-token train step with this optimizer."""
+    cfg = dataclasses.replace(GPT_TINY, hidden=hidden, heads=heads, vocab=vocab, seq=seq,
+                              tied=tied)
+    step, model, tx = gpt_train_step(cfg, _grad_at_call_time, make_optimizer(optimizer))
 
     def batch_for_step(i: int) -> dict:
         # A learnable sequence: arithmetic progressions mod vocab with random start/stride.
@@ -190,17 +160,12 @@ def gpt_case(optimizer="sgd", batch=16, seq=16, hidden=32, heads=4, vocab=64, ti
             "labels": jnp.asarray(seq_all[:, 1:], jnp.int32),
         }
 
-    tx = make_optimizer(optimizer)
-
-    def loss_fn(params, batch):
-        return _xent(model.apply({"params": params}, batch["tokens"]), batch["labels"])
-
     def init():
         batch = batch_for_step(0)
         params = jax.jit(model.init)(jax.random.PRNGKey(0), batch["tokens"])["params"]
         return {"params": params, "opt_state": tx.init(params)}, batch
 
-    return Case("gpt", init, _sgd_like_step(loss_fn, tx), batch_for_step)
+    return Case("gpt", init, step, batch_for_step)
 
 
 # ----------------------------------------------------------------------------- convbn
@@ -258,46 +223,26 @@ def convbn_case(optimizer="sgd", batch=16, size=8, num_classes=8):
 # ----------------------------------------------------------------------------- moe
 
 
-class MoELayer(nn.Module):
-    """GShard-style top-2 MoE with dense (capacity-free) one-hot dispatch/combine masks."""
+class MoEClassifier(nn.Module):
+    """Classification around the zoo's GShard MoE FFN: in_proj → x + MoEFFN(LayerNorm(x))
+    → mean over the sequence → out_proj.  One routing group per sequence (`cfg.group` =
+    seq), so micro-batches route exactly as the whole batch does."""
 
-    experts: int = 4
-    ffn: int = 64
-    k: int = 2
-
-    @nn.compact
-    def __call__(self, x):  # x: [B, S, H]
-        h = x.shape[-1]
-        e, f = self.experts, self.ffn
-        router = nn.Dense(e, use_bias=False, name="router")(x)  # [B, S, E]
-        top_vals, top_idx = jax.lax.top_k(router, self.k)  # [B, S, k]
-        gates = jax.nn.softmax(top_vals, axis=-1)  # [B, S, k]
-        onehot = jax.nn.one_hot(top_idx, e, dtype=x.dtype)  # [B, S, k, E]
-        dispatch = onehot.sum(axis=-2)  # [B, S, E], 0/1
-        combine = jnp.einsum("bsk,bske->bse", gates, onehot)  # [B, S, E]
-        wi = self.param("wi", nn.initializers.lecun_normal(batch_axis=(0,)), (e, h, f))
-        wo = self.param("wo", nn.initializers.lecun_normal(batch_axis=(0,)), (e, f, h))
-        expert_in = jnp.einsum("bse,bsh->ebsh", dispatch, x)
-        hid = nn.relu(jnp.einsum("ebsh,ehf->ebsf", expert_in, wi))
-        expert_out = jnp.einsum("ebsf,efh->ebsh", hid, wo)
-        return jnp.einsum("ebsh,bse->bsh", expert_out, combine)
-
-
-class MoEModel(nn.Module):
-    hidden: int = 32
+    cfg: MoEConfig
     num_classes: int = 8
 
     @nn.compact
     def __call__(self, x):  # [B, S, D_in]
-        x = nn.Dense(self.hidden, name="in_proj")(x)
-        x = x + MoELayer()(nn.LayerNorm()(x))
-        x = x.mean(axis=1)
-        return nn.Dense(self.num_classes, name="out_proj")(x)
+        x = nn.Dense(self.cfg.hidden, name="in_proj")(x)
+        x = x + MoEFFN(self.cfg)(nn.LayerNorm()(x))
+        return nn.Dense(self.num_classes, name="out_proj")(x.mean(axis=1))
 
 
 def moe_case(optimizer="sgd", batch=16, seq=8, in_features=16, num_classes=8):
+    """4 experts of FFN width 2 x hidden 32, top-2 with GShard's capacity (2·seq/4 slots)."""
+    cfg = MoEConfig(hidden=32, layers=1, experts=4, seq=seq, group=seq, ffn=2, dtype="float32")
     batches = _classification_batches(4, batch, (seq, in_features), num_classes)
-    return _simple_case("moe", MoEModel(num_classes=num_classes), batches, optimizer)
+    return _simple_case("moe", MoEClassifier(cfg, num_classes=num_classes), batches, optimizer)
 
 
 # ----------------------------------------------------------------------------- scan

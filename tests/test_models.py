@@ -7,6 +7,8 @@ import jax
 import numpy as np
 import pytest
 
+from autopar import models as zoo
+
 import models  # tests/ is on sys.path (rootdir conftest, no __init__.py)
 
 NUM_STEPS = 3
@@ -80,3 +82,26 @@ def test_unknown_names_rejected():
         models.make_case("nope")
     with pytest.raises(ValueError):
         models.make_optimizer("lion")
+
+
+def test_zoo_names_order_and_default_batches():
+    names = zoo.names()
+    assert sorted(names) == sorted(zoo.CONFIGS)
+    assert names[:3] == ["gpt-toy", "gpt-125m", "gpt-350m"] and names[-1] == "wrn-6.8b"
+    assert names.index("moe-toy") == names.index("gpt-39b") + 1
+    assert [zoo.default_batch(n) for n in ("gpt-1.3b", "moe-70b", "wrn-250m", "wrn-toy")] == \
+        [1024, 1024, 1536, 64]
+    with pytest.raises(ValueError, match="unknown model 'gpt-1t'; known: "):
+        zoo.default_batch("gpt-1t")
+
+
+def test_tiny_gpt_and_moe_are_the_zoos():
+    """The test GPT is the zoo's GPT at GPT_TINY; the test MoE wraps the zoo's MoEFFN."""
+    state, batch = jax.eval_shape(models.make_case("gpt").init)
+    expected = jax.eval_shape(lambda: zoo.GPT(zoo.GPT_TINY).init(
+        jax.random.key(0), batch["tokens"])["params"])
+    assert jax.tree.structure(state["params"]) == jax.tree.structure(expected)
+    untied = jax.eval_shape(models.gpt_case(tied=False).init)[0]["params"]
+    assert untied["Dense_0"]["kernel"].shape == (32, 64)
+    moe = jax.eval_shape(models.make_case("moe").init)[0]["params"]
+    assert moe["MoEFFN_0"]["wi"].shape == (4, 32, 64) and "gate" in moe["MoEFFN_0"]
