@@ -260,13 +260,10 @@ def cmd_bench(args) -> int:
         raise UsageError("autopar bench runs the benchmark harness of a source checkout "
                          "(benchmarks/ is not installed with the package): run it inside a "
                          "clone of the autopar repository")
-    argv = [sys.executable, "-m", "benchmarks", args.suite]
-    if args.cluster is not None:
-        argv += ["--cluster", args.cluster]
-    if args.max_devices is not None:
-        argv += ["--max-devices", str(args.max_devices)]
-    if args.output_dir is not None:
-        argv += ["--output-dir", str(pathlib.Path(args.output_dir).resolve())]
+    argv = [sys.executable, "-m", "benchmarks", *args.args]
+    if "--output-dir" in argv[:-1]:  # the child runs in the checkout: keep the user's folder
+        k = argv.index("--output-dir") + 1
+        argv[k] = str(pathlib.Path(argv[k]).resolve())
     return subprocess.run(argv, cwd=root).returncode
 
 
@@ -349,14 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
         "plan and autopar; writes benchmarks/results/<suite>-<cluster>.md/.json/.png. "
         "'toy' runs every strategy for real on 8 emulated CPU devices and checks the results "
         "against the single-device step.")
-    p.add_argument("suite", choices=("gpt", "moe", "wrn", "toy"))
-    p.add_argument("--cluster", default=None,
-                   help="a preset (the suites were written for '8x8xV100-16GB' and "
-                        "'4x8xH100-80GB') or a cluster JSON")
-    p.add_argument("--max-devices", type=_positive_int, default=None, metavar="N",
-                   help="only the cases with at most N devices")
-    p.add_argument("--output-dir", default=None, metavar="DIR",
-                   help="where to write results (default benchmarks/results)")
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="SUITE [OPTIONS]",
+                   help="passed to `python -m benchmarks` in the checkout: gpt|moe|wrn "
+                        "--cluster PRESET [--max-devices N] [--output-dir DIR], or toy")
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("demo", help="plan and train a tiny GPT on 8 emulated CPU devices",

@@ -72,15 +72,13 @@ def _train(step: Callable, state, batches: list, progress=None, label: str = "")
     return losses
 
 
-def run(steps: int = 20, *, quiet: bool = False, out=None,
-        summary: Callable | None = None) -> int:
+def run(steps: int = 20, *, quiet: bool = False, out=None) -> int:
     """Runs the demo; returns the exit code (0 when the losses match).
 
     Args:
       steps: training steps of each run.
       quiet: no progress bar.
       out: text stream for the report (default stdout).
-      summary: plan → printable table (the CLI's); default `Plan.summary`.
     """
     out = out if out is not None else sys.stdout
     if steps < 1:
@@ -107,7 +105,7 @@ def run(steps: int = 20, *, quiet: bool = False, out=None,
     with Progress(enabled=not quiet) as bar:
         bar.update(None, None, "searching the plan (intra-op ILP per logical mesh)")
         plan = parallel.get_plan(state, batches[0])
-    print((summary or autopar.Plan.summary)(plan), file=out, flush=True)
+    print(plan.summary(), file=out, flush=True)
 
     with Progress(enabled=not quiet) as bar:
         bar.update(0, steps, "compiling the parallel step")

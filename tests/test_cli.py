@@ -220,7 +220,7 @@ def test_demo():
     assert "losses match" in proc.stdout
 
 
-@pytest.mark.parametrize("command", [[], ["plan"], ["show"], ["profile"], ["demo"]])
+@pytest.mark.parametrize("command", [[], ["plan"], ["show"], ["profile"], ["demo"], ["bench"]])
 def test_help(command):
     proc = autopar_cli(*command, "--help")
     assert proc.returncode == 0 and "usage: autopar" in proc.stdout, proc.stderr
@@ -259,3 +259,12 @@ def test_verify_plan_checks_stages(stage1, message):
     else:
         with pytest.raises(PlanError, match=re.escape(message)):
             check()
+
+
+def test_bench_needs_a_checkout_and_forwards_to_the_harness(tmp_path):
+    # Outside a clone the harness does not exist: a one-line user error.
+    assert_user_error(autopar_cli("bench", "gpt", "--cluster", "8x8xV100-16GB", cwd=tmp_path),
+                      "source checkout")
+    # Inside one, `autopar bench ...` is `python -m benchmarks ...` (its own error here).
+    proc = autopar_cli("bench", "gpt", cwd=os.path.join(ROOT, "tests"))
+    assert proc.returncode == 2 and "needs --cluster" in proc.stderr, proc.stderr
