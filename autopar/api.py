@@ -6,11 +6,11 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from autopar.cost_model import ClusterSpec
 from autopar.graph import Graph
@@ -60,6 +60,7 @@ class Traced:
     args_info: tuple[jax.ShapeDtypeStruct, ...]
     _trace: _Trace = dataclasses.field(repr=False)
     _positions: list[int] = dataclasses.field(repr=False)
+    _trace_static: tuple = dataclasses.field(repr=False)
     _step: ParallelizedFunction = dataclasses.field(repr=False)
     _executable: Any = dataclasses.field(default=None, repr=False)
 
@@ -79,8 +80,44 @@ class Traced:
     def lower(self):
         """JAX's `Lowered` program (`.compile()` gives the compiled executable with
         `as_text()`, `memory_analysis()`, `cost_analysis()`); for pipeline plans, an object
-        whose `.compile()` gives every stage's compiled forward and backward."""
+        whose `.compile()` gives every compiled program of the step."""
         return self.executable.lower(*self.args_info)
+
+    def donated_leaves(self) -> list[int]:
+        """Flattened input positions the step donates (see `parallelize(donate_argnums=)`)."""
+        donated = set(self._step._donated_args(self))
+        return [k for k, p in enumerate(_leaf_positions(self.in_tree, self._positions))
+                if p in donated]
+
+    def input_shardings_flat(self) -> list:
+        """The sharding the compiled single-mesh step takes each flattened input in."""
+        mesh = build_mesh(self.plan, self._step._devices())
+        return [NamedSharding(mesh, to_pspec(s)) for s in self.plan.in_specs]
+
+    def fast_call(self) -> Callable:
+        """`step(*args)` for these argument shapes as one `jax.jit` (its C++ dispatch is the
+        whole per-call cost); tracing other shapes raises `_OtherShapes`."""
+        step = self._step
+        expected = [(tuple(a.shape), jax.numpy.dtype(a.dtype)) for a in self.args_info]
+        static = {p: a for p, a in self._trace_static}
+        flat = self.executable
+
+        def body(*args):
+            dynamic, static_now, _ = step._split(args)
+            leaves, tree = jax.tree_util.tree_flatten(dynamic)
+            got = [(tuple(jax.numpy.shape(x)), jax.numpy.result_type(x)) for x in leaves]
+            if tree != self.in_tree or got != expected or dict(static_now) != static:
+                raise _OtherShapes()
+            return jax.tree_util.tree_unflatten(self.out_tree, flat(*leaves))
+
+        shardings = jax.tree_util.tree_unflatten(self.in_tree, self.input_shardings_flat())
+        in_shardings = [None] * (len(self._positions) + len(static))
+        for pos, sh in zip(self._positions, shardings):
+            in_shardings[pos] = sh
+        in_shardings = [sh for p, sh in enumerate(in_shardings) if p not in static]
+        return jax.jit(body, static_argnums=tuple(sorted(static)),
+                       donate_argnums=step._donated_args(self),
+                       in_shardings=tuple(in_shardings))
 
 
 class ParallelizedFunction:
@@ -91,7 +128,8 @@ class ParallelizedFunction:
     """
 
     def __init__(self, fun: Callable, *, method: Method | None, batch_argnums: Sequence[int],
-                 static_argnums: Sequence[int], donate_argnums: Sequence[int],
+                 static_argnums: Sequence[int],
+                 donate_argnums: Sequence[int] | Literal["auto"],
                  plan: Plan | str | os.PathLike | None, devices: Sequence[jax.Device] | None,
                  cluster: ClusterSpec | str | None, offline: bool = False,
                  progress: Callable[[str], None] | None = None):
@@ -100,7 +138,9 @@ class ParallelizedFunction:
         self.method = method if method is not None else ShardParallel()
         self.batch_argnums = _normalize_argnums("batch_argnums", batch_argnums)
         self.static_argnums = _normalize_argnums("static_argnums", static_argnums)
-        self.donate_argnums = _normalize_argnums("donate_argnums", donate_argnums)
+        self.donate_argnums: tuple[int, ...] | Literal["auto"] = (
+            "auto" if isinstance(donate_argnums, str) and donate_argnums == "auto"
+            else _normalize_argnums("donate_argnums", donate_argnums))
         self.devices = list(devices) if devices is not None else None
         self._cluster = cluster
         self.offline = offline
@@ -108,13 +148,26 @@ class ParallelizedFunction:
             plan = Plan.load(plan)
         self.fixed_plan: Plan | None = plan
         self._cache: dict[Any, Traced] = {}
+        self._fast: Callable | None = None
         functools.update_wrapper(self, fun)
 
     # -- public -----------------------------------------------------------------------------
 
     def __call__(self, *args):
+        fast = self._fast
+        if fast is not None:
+            try:
+                return fast(*args)
+            except _OtherShapes:
+                pass
         traced, leaves = self._traced(args)
-        out = traced.executable(*leaves)
+        if traced.plan.stages:
+            out = traced.executable(*leaves)
+            return jax.tree_util.tree_unflatten(traced.out_tree, out)
+        executable = traced.executable
+        leaves = [_placed(x, sh) for x, sh in zip(leaves, traced.input_shardings_flat())]
+        out = executable(*leaves)
+        self._fast = traced.fast_call()
         return jax.tree_util.tree_unflatten(traced.out_tree, out)
 
     def trace(self, *args) -> Traced:
@@ -213,18 +266,29 @@ class ParallelizedFunction:
             plan = planner.search(program, self.method, cluster, device_ids, fp=fp,
                                   progress=self.progress)
         return Traced(program, plan, split, traced.out_tree, in_tree, traced.args_info,
-                      _trace=traced, _positions=positions, _step=self)
+                      _trace=traced, _positions=positions, _trace_static=static, _step=self)
 
     def _build(self, traced: Traced):
         """The executable of a traced step on this process's devices."""
         devices = self._devices()
+        donate = traced.donated_leaves()
         if traced.plan.stages:
-            return _pipeline_runtime(traced.split, traced.plan, devices,
-                                     set(traced._trace.batch_positions))
-        mesh = build_mesh(traced.plan, devices)
-        donate = [i for i, pos in enumerate(_leaf_positions(traced.in_tree, traced._positions))
-                  if pos in self.donate_argnums]
-        return emit(traced.graph, traced.plan, mesh, donate)
+            return _pipeline_runtime(traced, devices, donate)
+        return emit(traced.graph, traced.plan, build_mesh(traced.plan, devices), donate)
+
+    def _donated_args(self, traced: Traced) -> tuple[int, ...]:
+        """Argument positions to donate: with "auto", those whose every leaf is replaced
+        by an output (the state); else the user's `donate_argnums`."""
+        if self.donate_argnums != "auto":
+            return tuple(self.donate_argnums)
+        tied = {i for _, i in traced.program.ties}
+        leaf_pos = _leaf_positions(traced.in_tree, traced._positions)
+        out = []
+        for pos in traced._positions:
+            mine = [k for k, p in enumerate(leaf_pos) if p == pos]
+            if mine and all(k in tied for k in mine):
+                out.append(pos)
+        return tuple(out)
 
 
 def _state_per_param_byte(program: planner.Program) -> float:
@@ -242,17 +306,29 @@ def _micro_size(program: planner.Program, num_micro_batches: int) -> int | None:
     return b // num_micro_batches if b else None
 
 
-def _pipeline_runtime(split, plan: Plan, devices, batch_positions: set[int]):
-    graph = split.forward_graph()
+def _pipeline_runtime(traced: Traced, devices, donate: Sequence[int]) -> PipelineRuntime:
+    plan = traced.plan
     by_id = {d.id: d for d in devices}
-    stages = []
+    meshes = []
     for st in plan.stages:
         grid = np.array([by_id[i] for i in st.device_ids], dtype=object).reshape(st.mesh_shape)
-        mesh = Mesh(grid, st.mesh_axes, axis_types=(AxisType.Auto,) * len(st.mesh_axes))
-        program = pipeline.program_for_range(graph, *st.eqn_range)
-        stages.append((program, mesh, {v: to_pspec(s) for v, s in st.input_specs}))
+        meshes.append(Mesh(grid, st.mesh_axes,
+                           axis_types=(AxisType.Auto,) * len(st.mesh_axes)))
     sched = schedules.make(plan.schedule, len(plan.stages), plan.num_micro_batches)
-    return PipelineRuntime(split, graph, stages, sched, batch_positions)
+    return PipelineRuntime(traced.split, traced.split.forward_graph(), plan, meshes, sched,
+                           set(traced._trace.batch_positions), ties=traced.program.ties,
+                           donate=donate)
+
+
+class _OtherShapes(Exception):
+    """Raised while the fast path traces arguments another plan is for."""
+
+
+def _placed(x: Any, sharding) -> Any:
+    """`x` laid out as `sharding` (no copy when it already is)."""
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    return jax.device_put(x, sharding)
 
 
 def _is_weak(x: Any) -> bool:
@@ -401,7 +477,7 @@ def _same_aval(a, b) -> bool:
 def parallelize(fun: Callable | None = None, *, method: Method | None = None,
                 batch_argnums: int | Sequence[int] = (1,),
                 static_argnums: int | Sequence[int] = (),
-                donate_argnums: int | Sequence[int] = (),
+                donate_argnums: int | Sequence[int] | Literal["auto"] = "auto",
                 plan: Plan | str | os.PathLike | None = None,
                 devices: Sequence[jax.Device] | None = None,
                 cluster: ClusterSpec | str | None = None):
@@ -414,7 +490,10 @@ def parallelize(fun: Callable | None = None, *, method: Method | None = None,
       batch_argnums: positions of the batch arguments (split over devices by data parallel
         plans; their dim 0 is the batch).
       static_argnums: positions of hashable non-array arguments (a new value re-plans).
-      donate_argnums: positions whose buffers the step may reuse (e.g. the state).
+      donate_argnums: positions whose buffers the step may reuse; "auto" (the default)
+        donates every argument the step returns a replacement for (the state: parameters,
+        optimizer state), as `jax.jit(donate_argnums=...)` would — the arrays passed in are
+        then deleted.  `()` turns donation off.
       plan: a `Plan` or the path of a saved one: run it without searching.
       devices: devices to use (default: all of `jax.devices()`).
       cluster: cost model: a `ClusterSpec`, a preset name or a JSON path

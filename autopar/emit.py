@@ -8,7 +8,9 @@ do not change values.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -32,27 +34,45 @@ def build_mesh(plan: Plan, devices: Sequence[jax.Device] | None = None) -> Mesh:
     return Mesh(grid, plan.mesh_axes, axis_types=(AxisType.Auto,) * len(plan.mesh_axes))
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Constraints:
+    """The `with_sharding_constraint`s that pin a program to its intra-op solution: one per
+    decided value (`on_value`) and one per operand that a matmul, convolution, gather or
+    scatter reads in another layout (`on_operand`) — hooks for `autopar.interpret`."""
+
+    values: dict[int, NamedSharding]
+    operands: dict[tuple[int, int], NamedSharding]
+
+    @staticmethod
+    def build(graph: Graph, mesh: Mesh, value_specs: Iterable[tuple[int, Spec]],
+              operand_specs: Iterable[tuple[int, int, Spec]]) -> Constraints:
+        values = {vid: NamedSharding(mesh, to_pspec(spec)) for vid, spec in value_specs
+                  if is_numeric(graph.values[vid].dtype)}
+        # Operands that a matmul/conv/gather/scatter reads in another layout are pinned too:
+        # XLA then reshards exactly as the plan priced (and on CPU, jax 0.10.2, leaving the
+        # choice to the partitioner gave wrong attention logits for one such reshard).
+        operands = {(e, k): NamedSharding(mesh, to_pspec(spec)) for e, k, spec in operand_specs}
+        return Constraints(values, operands)
+
+    def on_value(self, vid: int, x: Any) -> Any:
+        sharding = self.values.get(vid)
+        if sharding is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    def on_operand(self, eqn: int, k: int, x: Any) -> Any:
+        sharding = self.operands.get((eqn, k))
+        if sharding is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+
 def emit(graph: Graph, plan: Plan, mesh: Mesh, donate_argnums: Sequence[int] = ()):
     """Returns a jitted function of the flattened inputs that runs `graph` under `plan`."""
-    constraints = {vid: NamedSharding(mesh, to_pspec(spec)) for vid, spec in plan.value_specs
-                   if is_numeric(graph.values[vid].dtype)}
-
-    # Operands that a matmul/conv/gather/scatter reads in another layout are pinned too:
-    # XLA then reshards exactly as the plan priced (and on CPU, jax 0.10.2, leaving the
-    # choice to the partitioner gave wrong attention logits for one such reshard).
-    operand_constraints = {(e, k): NamedSharding(mesh, to_pspec(spec))
-                           for e, k, spec in plan.operand_specs}
-
-    def on_value(vid: int, x):
-        sharding = constraints.get(vid)
-        return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
-
-    def on_operand(eqn: int, k: int, x):
-        sharding = operand_constraints.get((eqn, k))
-        return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+    hooks = Constraints.build(graph, mesh, plan.value_specs, plan.operand_specs)
 
     def program(*flat_args):
-        return tuple(graph.evaluate(flat_args, on_value, on_operand))
+        return tuple(graph.evaluate(flat_args, hooks.on_value, hooks.on_operand))
 
     in_shardings = tuple(NamedSharding(mesh, to_pspec(s)) for s in plan.in_specs)
     out_shardings = tuple(NamedSharding(mesh, to_pspec(s)) for s in plan.out_specs)
