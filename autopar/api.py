@@ -325,10 +325,11 @@ class _OtherShapes(Exception):
 
 
 def _placed(x: Any, sharding) -> Any:
-    """`x` laid out as `sharding` (no copy when it already is)."""
+    """`x` laid out as `sharding`: itself when it already is, else a copy that shares no
+    buffer with `x` (the step may donate it; the caller's array must stay valid)."""
     if isinstance(x, jax.Array) and x.sharding == sharding:
         return x
-    return jax.device_put(x, sharding)
+    return jax.device_put(x, sharding, may_alias=False)
 
 
 def _is_weak(x: Any) -> bool:

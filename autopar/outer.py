@@ -16,6 +16,7 @@ replicated by accident; donated state is updated in place.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -37,8 +38,8 @@ class Segment:
     eqns: list[int]
     inputs: list[Any] = dataclasses.field(default_factory=list)
     outputs: list[Any] = dataclasses.field(default_factory=list)
-    in_shardings: list[Sharding | None] = dataclasses.field(default_factory=list)
-    out_shardings: list[Sharding | None] = dataclasses.field(default_factory=list)
+    in_shardings: list[Sharding] = dataclasses.field(default_factory=list)
+    out_shardings: list[Sharding] = dataclasses.field(default_factory=list)
     donate: tuple[int, ...] = ()
     fn: Any = None
 
@@ -126,12 +127,15 @@ def assign(jaxpr: jcore.Jaxpr, indices: Sequence[int], home: dict[Any, int]) -> 
 
 
 def wire(closed: jcore.ClosedJaxpr, segments: list[Segment], needed_later: set[Any],
-         layouts: Mapping[Any, tuple[int, Sharding]], donatable: Mapping[Any, Any]) -> None:
+         layouts: Mapping[Any, tuple[int, Sharding]], meshes: Sequence[Mesh],
+         donatable: set[Any]) -> None:
     """Fills each segment's inputs, outputs, shardings, donation and jitted function.
 
-    `donatable`: step input variable → the step output variable that replaces it; such an
-    input is donated to the segment that makes its replacement when that segment is its
-    last reader and the two layouts agree (XLA can then update it in place)."""
+    A value with a layout (`layouts`) takes it on its stage; any other value a segment
+    reads or makes is replicated on the segment's stage.
+    `donatable`: step input variables the step may overwrite; each is donated to its last
+    reader when that segment makes an output of the same shape, dtype and layout for XLA
+    to write into (an optimizer moment's buffer may hold `b1 * mu` in one segment)."""
     jaxpr = closed.jaxpr
     readers: dict[Any, list[int]] = {}
     for k, seg in enumerate(segments):
@@ -148,21 +152,26 @@ def wire(closed: jcore.ClosedJaxpr, segments: list[Segment], needed_later: set[A
         produced = [v for i in seg.eqns for v in jaxpr.eqns[i].outvars]
         used_elsewhere = {v for other in segments if other is not seg for v in other.inputs}
         seg.outputs = [v for v in produced if v in used_elsewhere or v in needed_later]
+        replicated = NamedSharding(meshes[seg.stage], PartitionSpec())
 
-        def sharding(v: Any, stage: int = seg.stage) -> Sharding | None:
+        def sharding(v: Any, stage: int = seg.stage, default: Sharding = replicated
+                     ) -> Sharding:
             layout = layouts.get(v)
             if layout is not None and layout[0] == stage:
                 return layout[1]
-            return None
+            return default
 
         seg.in_shardings = [sharding(v) for v in seg.inputs]
         seg.out_shardings = [sharding(v) for v in seg.outputs]
-        made = set(seg.outputs)
-        seg.donate = tuple(
-            j for j, v in enumerate(seg.inputs)
-            if v in donatable and donatable[v] in made and readers[v][-1] == k
-            and seg.in_shardings[j] is not None
-            and seg.in_shardings[j] == seg.out_shardings[seg.outputs.index(donatable[v])])
+        free = collections.Counter((v.aval.shape, v.aval.dtype, sh)
+                                   for v, sh in zip(seg.outputs, seg.out_shardings))
+        donate = []
+        for j, v in enumerate(seg.inputs):
+            key = (v.aval.shape, v.aval.dtype, seg.in_shardings[j])
+            if v in donatable and readers[v][-1] == k and free[key] > 0:
+                free[key] -= 1
+                donate.append(j)
+        seg.donate = tuple(donate)
         seg.fn = jax.jit(_segment_fn(closed, seg), in_shardings=seg.in_shardings,
                          out_shardings=seg.out_shardings, donate_argnums=seg.donate)
 
@@ -180,21 +189,16 @@ def _segment_fn(closed: jcore.ClosedJaxpr, seg: Segment) -> Callable:
     return fn
 
 
-def place(x: Any, sharding: Sharding | None, mesh: Mesh) -> Any:
-    """`x` in `sharding` (or, when None, anywhere on `mesh`'s devices: kept if already
-    there, else replicated there).  No copy when it already is."""
-    if sharding is None:
-        if isinstance(x, jax.Array) and x.sharding.device_set == set(mesh.devices.flat):
-            return x
-        sharding = NamedSharding(mesh, PartitionSpec())
+def place(x: Any, sharding: Sharding) -> Any:
+    """`x` laid out as `sharding`: itself when it already is, else a copy sharing no buffer
+    with `x` (a segment may donate it; the caller's array must stay valid)."""
     if isinstance(x, jax.Array) and x.sharding == sharding:
         return x
-    return jax.device_put(x, sharding)
+    return jax.device_put(x, sharding, may_alias=False)
 
 
-def run(segments: Sequence[Segment], env: dict[Any, Any], meshes: Sequence[Mesh]) -> None:
+def run(segments: Sequence[Segment], env: dict[Any, Any]) -> None:
     """Runs `segments` in order on the values of `env` (extended with their outputs)."""
     for seg in segments:
-        mesh = meshes[seg.stage]
-        args = [place(env[v], sh, mesh) for v, sh in zip(seg.inputs, seg.in_shardings)]
+        args = [place(env[v], sh) for v, sh in zip(seg.inputs, seg.in_shardings)]
         env.update(zip(seg.outputs, seg.fn(*args)))

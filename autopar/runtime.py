@@ -92,9 +92,8 @@ class PipelineRuntime:
             return vids, None
         n = self.num_micro_batches
         shardings = [st.input_shardings[v] for v in vids]
-        full = [NamedSharding(sh.mesh, sh.spec) for sh in shardings]
         fn = jax.jit(lambda *xs: [[micro_slice(x, n, m) for m in range(n)] for x in xs],
-                     in_shardings=full, out_shardings=[[sh] * n for sh in shardings])
+                     in_shardings=shardings, out_shardings=[[sh] * n for sh in shardings])
         return vids, fn
 
     def _outer(self, ties: Sequence[tuple[int, int]], donate: Sequence[int]):
@@ -126,6 +125,7 @@ class PipelineRuntime:
         pre_eqns = [i for i in range(split.marker) if i not in skip]
         post_eqns = list(range(split.marker + 1, len(jaxpr.eqns)))
         layouts = outer.state_layouts(jaxpr, pre_eqns + post_eqns, known, tie_vars)
+        self.layouts = layouts
         for v, (s, _) in layouts.items():
             home.setdefault(v, s)
         pre = outer.assign(jaxpr, pre_eqns, home)
@@ -133,9 +133,8 @@ class PipelineRuntime:
         needed = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
         needed.update(v for v in self.f_source if not isinstance(v, jcore.Literal))
         donated = set(donate)
-        donatable = {jaxpr.invars[i]: jaxpr.outvars[o] for o, i in ties if i in donated
-                     and not isinstance(jaxpr.outvars[o], jcore.Literal)}
-        outer.wire(closed, pre + post, needed, layouts, donatable)
+        donatable = {jaxpr.invars[i] for _, i in ties if i in donated}
+        outer.wire(closed, pre + post, needed, layouts, self.meshes, donatable)
         return pre, post
 
     # ---- one step ---------------------------------------------------------------------------
@@ -145,18 +144,17 @@ class PipelineRuntime:
         jaxpr = split.step.jaxpr
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, split.step.consts))
         env.update(zip(jaxpr.invars, flat_args))
-        outer.run(self.pre, env, self.meshes)
+        outer.run(self.pre, env)
         n = self.num_micro_batches
         full = {vid: (src.val if isinstance(src, jcore.Literal) else env[src])
                 for vid, src in zip(self.f_inputs, self.f_source)}
-        static = [tuple(outer.place(full[v], st.input_shardings[v], st.mesh)
+        static = [tuple(outer.place(full[v], st.input_shardings[v])
                         for v in st.static_ids) for st in self.stages]
         parts: dict[tuple[int, int], list[Any]] = {}
         for s, (vids, fn) in enumerate(self._splitters):
             if fn is not None:
                 st = self.stages[s]
-                xs = [outer.place(full[v], NamedSharding(st.mesh, st.input_shardings[v].spec),
-                                  st.mesh) for v in vids]
+                xs = [outer.place(full[v], st.input_shardings[v]) for v in vids]
                 parts.update(((v, s), p) for v, p in zip(vids, fn(*xs)))
         acc = [st.zeros() for st in self.stages]
         acts: dict[tuple[int, int], Any] = {}
@@ -170,7 +168,7 @@ class PipelineRuntime:
             st = self.stages[s]
             if task.kind == "fwd":
                 micro = [parts[(v, s)][m] if (v, s) in parts else
-                         outer.place(acts[(v, m)], st.input_shardings[v], st.mesh)
+                         outer.place(acts[(v, m)], st.input_shardings[v])
                          for v in st.micro_ids]
                 floats, ints, res = st.forward(static[s], micro)
                 acts.update(((v, m), x) for v, x in zip(st.float_outs, floats))
@@ -184,7 +182,7 @@ class PipelineRuntime:
                 act_cts, acc[s] = st.backward(static[s], kept, res, incoming, acc[s])
                 alive[s] -= 1
                 for v, g in zip(st.act_ct_ids, act_cts):
-                    g = outer.place(g, acts[(v, m)].sharding, acts[(v, m)].sharding.mesh)
+                    g = outer.place(g, acts[(v, m)].sharding)
                     cts[(v, m)] = g if (v, m) not in cts else cts[(v, m)] + g
                 for v in st.float_outs + st.int_outs:   # consumers' forwards are done
                     if v not in final:
@@ -202,7 +200,7 @@ class PipelineRuntime:
                 total = total + c
             values.append(total / n if is_float(chunks[0].dtype) else chunks[-1])
         env.update(zip(marker.outvars, values + grads))
-        outer.run(self.post, env, self.meshes)
+        outer.run(self.post, env)
         return [v.val if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
 
     def _gradients(self, acc: list) -> list[Any]:
@@ -215,10 +213,9 @@ class PipelineRuntime:
             for v, g in zip(st.param_ids, st.finalize(a)):
                 owner = self.stages[self.owner[v]]
                 if v in by_param:
-                    by_param[v] = by_param[v] + outer.place(g, owner.input_shardings[v],
-                                                            owner.mesh)
+                    by_param[v] = by_param[v] + outer.place(g, owner.input_shardings[v])
                 else:
-                    by_param[v] = outer.place(g, owner.input_shardings[v], owner.mesh)
+                    by_param[v] = outer.place(g, owner.input_shardings[v])
         out = []
         for j in self.split.diff_inputs:
             vid = self.f_inputs[j]
@@ -228,6 +225,34 @@ class PipelineRuntime:
                 value = self.graph.values[vid]
                 out.append(jax.numpy.zeros(value.shape, value.dtype))
         return out
+
+    # ---- layouts ----------------------------------------------------------------------------
+
+    def _sharding_of(self, var: Any, segments_key: str) -> Sharding:
+        """Where the step keeps `var` (a step input or output variable)."""
+        layout = self.layouts.get(var)
+        if layout is not None:
+            return layout[1]
+        for src, vid in zip(self.f_source, self.f_inputs):
+            if src is var and vid in self.owner:
+                st = self.stages[self.owner[vid]]
+                return NamedSharding(st.mesh, st.input_shardings[vid].spec)
+        for seg in self.pre + self.post:
+            names = seg.inputs if segments_key == "in" else seg.outputs
+            shardings = seg.in_shardings if segments_key == "in" else seg.out_shardings
+            if var in names:
+                return shardings[names.index(var)]
+        return NamedSharding(self.meshes[0], jax.sharding.PartitionSpec())
+
+    def input_shardings(self) -> list[Sharding]:
+        """The sharding the step takes each flattened input in (passing inputs laid out so
+        moves nothing)."""
+        return [self._sharding_of(v, "in") for v in self.split.step.jaxpr.invars]
+
+    def output_shardings(self) -> list[Sharding | None]:
+        """The sharding of each flattened output the step returns (None: a literal)."""
+        return [None if isinstance(v, jcore.Literal) else self._sharding_of(v, "out")
+                for v in self.split.step.jaxpr.outvars]
 
     # ---- inspection -------------------------------------------------------------------------
 
@@ -334,9 +359,7 @@ class PipelineLowered:
                                               ("forward", "backward", "zeros", "finalize"))))
         segments = []
         for seg in rt.pre + rt.post:
-            mesh = rt.meshes[seg.stage]
-            args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sh or
-                                         NamedSharding(mesh, jax.sharding.PartitionSpec()))
+            args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sh)
                     for v, sh in zip(seg.inputs, seg.in_shardings)]
             segments.append((seg.stage, seg.fn.lower(*args).compile()))
         return PipelineCompiled(tuple(stages), tuple(segments), rt.num_micro_batches, rt.plan)
