@@ -88,8 +88,8 @@ def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
                 forced_batch_axis: bool = False,
                 shapes: Sequence[tuple[int, ...]] | None = None,
                 input_rule: Callable[[int, MeshContext], Spec | None] | None = None,
-                remat: bool = False, num_micro_batches: int = 1
-                ) -> dict[tuple[int, ...], _Priced]:
+                remat: bool = False, num_micro_batches: int = 1,
+                layer: LayerProgram | None = None) -> dict[tuple[int, ...], _Priced]:
     """Intra-op plans of one layer range's forward+backward on a sub-mesh, one per logical
     mesh shape (`shapes`, default: 1-D and every 2-D factorization).
 
@@ -99,8 +99,12 @@ def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
     With `num_micro_batches` B > 1 the ILP discounts the communication of the matmuls
     producing parameter gradients by 1/B (gradients accumulate locally and are reduced once
     per step), so it chooses layouts for the amortized cost; `cost_s` is per micro-batch
-    with that reduction amortized."""
-    layer = LayerProgram.build(graph, program, diff, remat=remat)
+    with that reduction amortized.
+
+    `layer` is `LayerProgram.build(graph, program, diff, remat=remat)` when the caller
+    already has it (one trace serves every sub-mesh)."""
+    if layer is None:
+        layer = LayerProgram.build(graph, program, diff, remat=remat)
     fn, fb = layer.fn, layer.fb
     f_ids = list(fn.diff_ids) + list(fn.nondiff_ids)
     position = {vid: k for k, vid in enumerate(f_ids)}
@@ -240,20 +244,31 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         else inter_op.submesh_shapes(hosts, per_host))
     fixed_shape = [layout.logical_shape] if layout.logical_shape is not None else None
 
+    program_keys: dict[int, str] = {}
+    # Identical layers share one trace of their forward+backward (that of the first).
+    traced_layers: dict[str, tuple[pipeline.StageProgram, LayerProgram]] = {}
+
     def layer_options(layer: int, submesh: tuple[int, int]) -> dict[tuple[int, ...], _Priced]:
-        prog = layer_programs[layer]
-        key = (_program_key(graph, prog, diff), submesh)
+        if layer not in program_keys:
+            program_keys[layer] = _program_key(graph, layer_programs[layer], diff)
+        pkey = program_keys[layer]
+        key = (pkey, submesh)
         layer_seen.add((layer, submesh))
         if key not in layer_cache:
             if progress:
                 progress(f"layer ILP {len(layer_seen)}/{layer_pairs}: layer {layer} on "
                          f"sub-mesh {submesh}")
+            if pkey not in traced_layers:
+                prog = layer_programs[layer]
+                traced_layers[pkey] = (prog, LayerProgram.build(graph, prog, diff,
+                                                                remat=split.remat))
+            prog, traced = traced_layers[pkey]
             layer_cache[key] = price_stage(graph, prog, diff, cluster, submesh,
                                            forced_batch_axis=layout.batch_axis,
                                            shapes=fixed_shape,
                                            remat=split.remat,
                                            num_micro_batches=method.num_micro_batches,
-                                           **layer_kw)
+                                           layer=traced, **layer_kw)
         return layer_cache[key]
 
     micro = method.num_micro_batches

@@ -198,6 +198,10 @@ class _ProblemBuilder:
         self.from_broadcast: set[int] = set()
         self.edges: dict[tuple[int, int], np.ndarray] = {}
         self.nodes_before_merge = 0
+        # Memo tables: a group's strategies give its values few distinct specs, so pricing
+        # per distinct spec (pair) instead of per strategy (pair) is exact and much faster.
+        self._reshard: dict[tuple[Spec, Spec, float], float] = {}
+        self._valid: dict[tuple[Spec, tuple[int, ...]], bool] = {}
         # (equation, operand position, value, group, spec per strategy) of enumerated
         # equations: the layouts their chosen strategy reads its operands in.
         self.operand_requirements: list[tuple[int, int, int, int, list]] = []
@@ -213,34 +217,45 @@ class _ProblemBuilder:
 
     def add_member(self, gid: int, vid: int, specs: list[Spec]) -> None:
         value = self.graph.values[vid]
-        fixed_specs = [s if is_valid(s, value.shape, self.mesh) else replicated(value.ndim)
+        fixed_specs = [s if self._is_valid(s, value.shape) else replicated(value.ndim)
                        for s in specs]
         self.group_of[vid] = gid
         self.specs[vid] = fixed_specs
         self.groups[gid].members.append(vid)
+
+    def _is_valid(self, spec: Spec, shape: tuple[int, ...]) -> bool:
+        key = (spec, shape)
+        ok = self._valid.get(key)
+        if ok is None:
+            ok = self._valid[key] = is_valid(spec, shape, self.mesh)
+        return ok
+
+    def reshard_cost(self, a: Spec, b: Spec | None, nbytes: float) -> float:
+        """`reshard_s(a, b, nbytes)`, memoized (0 when `b` is None: any layout)."""
+        if b is None or a == b:
+            return 0.0
+        key = (a, b, nbytes)
+        cost = self._reshard.get(key)
+        if cost is None:
+            cost = self._reshard[key] = reshard_s(a, b, nbytes, self.mesh)
+        return cost
 
     def require(self, vid: int, consumer_vid_or_gid: int, required: Sequence[Spec | None],
                 *, consumer_is_group: bool = False) -> None:
         """Operand `vid` must arrive in `required[j]` when the consumer's group picks j."""
         gv = consumer_vid_or_gid if consumer_is_group else self.group_of[consumer_vid_or_gid]
         gu = self.group_of[vid]
-        value = self.graph.values[vid]
-        src = self.specs[vid]
-        cache: dict[tuple[Spec, Spec], float] = {}
-
-        def cost(a: Spec, b: Spec | None) -> float:
-            if b is None or a == b:
-                return 0.0
-            if (a, b) not in cache:
-                cache[(a, b)] = reshard_s(a, b, value.nbytes, self.mesh)
-            return cache[(a, b)]
-
+        nbytes = self.graph.values[vid].nbytes
+        src_index, src_specs = _distinct(self.specs[vid])
+        req_index, req_specs = _distinct(required)
+        table = np.array([[self.reshard_cost(a, b, nbytes) for b in req_specs]
+                          for a in src_specs], dtype=np.float64).reshape(
+                              len(src_specs), len(req_specs))
         if gu == gv:
             g = self.groups[gu]
-            g.comm_s += np.array([cost(src[i], required[i]) for i in range(g.num_strategies)])
+            g.comm_s += table[src_index, req_index]
             return
-        nu, nv = self.groups[gu].num_strategies, self.groups[gv].num_strategies
-        mat = np.array([[cost(src[i], required[j]) for j in range(nv)] for i in range(nu)])
+        mat = table[src_index[:, None], req_index[None, :]]
         key = (gu, gv)
         self.edges[key] = self.edges[key] + mat if key in self.edges else mat
 
@@ -314,14 +329,19 @@ class _ProblemBuilder:
         out_specs: list[list[Spec]] = [[] for _ in eqn.outputs]
         in_specs: list[list[Spec | None]] = [[] for _ in eqn.inputs]
         compute, comm = np.zeros(group.num_strategies), np.zeros(group.num_strategies)
+        # The rule's answer depends only on the leader's spec: once per distinct spec.
+        done: dict[Spec, tuple[st.FollowResult, float]] = {}
         for i in range(group.num_strategies):
-            res = _safe_follow(rule, info, lead, lead_specs[i], self.mesh)
+            hit = done.get(lead_specs[i])
+            if hit is None:
+                res = _safe_follow(rule, info, lead, lead_specs[i], self.mesh)
+                shards = self.mesh.shards(res.out_specs[0]) if res.out_specs else 1
+                hit = done[lead_specs[i]] = (res, st.compute_s(info, shards, self.mesh))
+            res, compute[i] = hit
             for k, s in enumerate(res.out_specs):
                 out_specs[k].append(s)
             for k, s in enumerate(res.in_specs):
                 in_specs[k].append(s)
-            shards = self.mesh.shards(res.out_specs[0]) if res.out_specs else 1
-            compute[i] = st.compute_s(info, shards, self.mesh)
             comm[i] = res.comm_s
         group.compute_s += compute
         group.comm_s += comm
@@ -390,13 +410,24 @@ class _ProblemBuilder:
         if not members:
             return np.zeros(num), (0, 0)
         vals = self.graph.values
-        per = np.array([[vals[v].nbytes / self.mesh.shards(self.specs[v][i])
-                         for i in range(num)] for v in members])
+        per = np.empty((len(members), num))
+        for row, v in enumerate(members):
+            index, distinct = _distinct(self.specs[v])
+            shards = np.array([self.mesh.shards(sp) for sp in distinct], dtype=np.float64)
+            per[row] = float(vals[v].nbytes) / shards[index]
         spans = live[members]
         starts = np.unique(spans[:, 0])
         alive = (spans[:, 0][None, :] <= starts[:, None]) & (starts[:, None] < spans[:, 1][None, :])
         usage = (alive.astype(np.float64) @ per).max(axis=0)
         return usage, (int(spans[:, 0].min()), int(spans[:, 1].max()))
+
+
+def _distinct(specs: Sequence[Spec | None]) -> tuple[np.ndarray, list[Spec | None]]:
+    """(index of each entry in the distinct list, the distinct specs in first-seen order)."""
+    index: dict[Spec | None, int] = {}
+    out = np.fromiter((index.setdefault(s, len(index)) for s in specs), dtype=np.int64,
+                      count=len(specs))
+    return out, list(index)
 
 
 def _dedupe(strategies: list[st.Strategy]) -> list[st.Strategy]:
