@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -15,7 +16,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from autopar.cost_model import ClusterSpec
 from autopar.graph import Graph
 
-from . import markers, microbatch, pipeline, pipeline_planner, planner, schedules
+from . import markers, microbatch, pipeline, pipeline_planner, plan_cache, planner, schedules
 from .emit import build_mesh, emit, to_pspec
 from .methods import Method, ShardParallel
 from .plan import Plan, PlanError, verify_plan
@@ -232,41 +233,84 @@ class ParallelizedFunction:
             cluster = _resolve_cluster(self._cluster, devices)
             device_ids = [d.id for d in devices]
         fixed = self.fixed_plan
+        if fixed is None and self.method.num_micro_batches == "auto":
+            from . import micro_batches
+
+            return micro_batches.search(self, dynamic, static, positions, in_tree, cluster,
+                                        device_ids)
         pipelined = bool(fixed.stages) if fixed is not None else self.method.pipelined
         micro = fixed.num_micro_batches if fixed is not None else self.method.num_micro_batches
-        if self.progress:
-            self.progress("trace")
-        traced = trace(self.fun, dynamic, static, positions, in_tree, self.batch_argnums, micro,
-                       accumulate=not pipelined)
+        traced, split, fp = self._trace_for(dynamic, static, positions, in_tree, micro,
+                                            pipelined, cluster)
         program = traced.program
-        split = pipeline.split(traced.micro, set(traced.batch_positions)) if pipelined else None
-        fp = planner.fingerprint(program.graph, cluster, extra=(
-            f"micro_batches={micro} full_batch={program.batch_size}" if pipelined else ""))
         if fixed is not None:
             if fixed.fingerprint != fp:
                 raise FingerprintError(
                     f"plan fingerprint {fixed.fingerprint} does not match this program "
                     f"({fp}) on cluster {cluster.name}: the plan was made for another program, "
                     f"input shapes or cluster; re-run the search (get_plan / `autopar plan`)")
-            value_shapes = {v.id: v.shape for v in program.graph.values
-                            if v.producer is not None}
-            stage_shapes = ({v.id: v.shape for v in split.forward_graph().values}
-                            if split is not None else None)
-            verify_plan(fixed, program.in_shapes, program.out_shapes, value_shapes,
-                        max(device_ids) + 1, stage_value_shapes=stage_shapes)
+            _verify(fixed, program, split, device_ids)
             plan = fixed
-        elif pipelined:
-            plan = pipeline_planner.search(
-                split, self.method, cluster, device_ids, fp=fp,
-                input_names=program.input_names, in_shapes=program.in_shapes,
-                out_shapes=program.out_shapes, batch_size=_micro_size(program, micro),
-                progress=self.progress,
-                state_bytes_per_param_byte=_state_per_param_byte(program))
         else:
-            plan = planner.search(program, self.method, cluster, device_ids, fp=fp,
-                                  progress=self.progress)
+            plan = self._search_cached(self.method, traced, split, fp, cluster, device_ids)
         return Traced(program, plan, split, traced.out_tree, in_tree, traced.args_info,
                       _trace=traced, _positions=positions, _trace_static=static, _step=self)
+
+    def _trace_for(self, dynamic: list, static: tuple, positions: list[int], in_tree,
+                   micro: int, pipelined: bool, cluster: ClusterSpec
+                   ) -> tuple[_Trace, pipeline.SplitStep | None, str]:
+        """The step traced for `micro` micro-batches, its pipeline split (None on one mesh)
+        and its fingerprint on `cluster`."""
+        if self.progress:
+            self.progress("trace" if micro == 1 else f"trace (micro-batches {micro})")
+        traced = trace(self.fun, dynamic, static, positions, in_tree, self.batch_argnums, micro,
+                       accumulate=not pipelined)
+        program = traced.program
+        split = pipeline.split(traced.micro, set(traced.batch_positions)) if pipelined else None
+        fp = planner.fingerprint(program.graph, cluster, extra=(
+            f"micro_batches={micro} full_batch={program.batch_size}" if pipelined else ""))
+        return traced, split, fp
+
+    def _search_cached(self, method: Method, traced: _Trace, split: pipeline.SplitStep | None,
+                       fp: str, cluster: ClusterSpec, device_ids: list[int]) -> Plan:
+        """The plan of `method` for a traced step: from the plan cache when it holds one
+        for exactly this search (verified against the program), else searched and stored."""
+        program = traced.program
+        cache = plan_cache.PlanCache.default()
+        key, fields = plan_cache.cache_key(
+            fp, method, cluster, device_ids=device_ids, roles=program.roles,
+            input_names=program.input_names, ties=program.ties,
+            extra=f"batch_argnums={self.batch_argnums}")
+        t0 = time.perf_counter()
+        hit = cache.load(key, fp, verify=lambda p: _verify(p, program, split, device_ids))
+        if hit is not None:
+            path = str(cache.path(key))
+            if self.progress:
+                self.progress(f"plan cache hit: {path}")
+            return dataclasses.replace(hit, solver={**hit.solver, "plan_cache": {
+                "hit": True, "path": path, "lookup_s": time.perf_counter() - t0}})
+        if self.progress and cache.enabled:
+            self.progress("plan cache miss: searching")
+        plan = self._search(method, traced, split, fp, cluster, device_ids)
+        stored = cache.store(key, plan, fields)
+        if stored is None:
+            return plan
+        return dataclasses.replace(plan, solver={**plan.solver, "plan_cache": {
+            "hit": False, "path": str(stored)}})
+
+    def _search(self, method: Method, traced: _Trace, split: pipeline.SplitStep | None,
+                fp: str, cluster: ClusterSpec, device_ids: list[int]) -> Plan:
+        program = traced.program
+        if split is not None:
+            return pipeline_planner.search(
+                split, method, cluster, device_ids, fp=fp,
+                input_names=program.input_names, in_shapes=program.in_shapes,
+                out_shapes=program.out_shapes,
+                batch_size=_micro_size(program, method.num_micro_batches),
+                progress=self.progress,
+                state_bytes_per_param_byte=_state_per_param_byte(program))
+        return planner.search(program, method, cluster, device_ids, fp=fp,
+                              progress=self.progress)
 
     def _build(self, traced: Traced):
         """The executable of a traced step on this process's devices."""
@@ -289,6 +333,16 @@ class ParallelizedFunction:
             if mine and all(k in tied for k in mine):
                 out.append(pos)
         return tuple(out)
+
+
+def _verify(plan: Plan, program: planner.Program, split: pipeline.SplitStep | None,
+            device_ids: Sequence[int]) -> None:
+    """`verify_plan` of `plan` against the traced program (and its pipeline split)."""
+    value_shapes = {v.id: v.shape for v in program.graph.values if v.producer is not None}
+    stage_shapes = ({v.id: v.shape for v in split.forward_graph().values}
+                    if split is not None else None)
+    verify_plan(plan, program.in_shapes, program.out_shapes, value_shapes,
+                max(device_ids) + 1, stage_value_shapes=stage_shapes)
 
 
 def _state_per_param_byte(program: planner.Program) -> float:

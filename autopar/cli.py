@@ -1,7 +1,7 @@
 """The `autopar` command: plan, show, profile, demo.
 
     autopar plan MODEL --cluster PRESET|cluster.json [--method auto|shard|pipeshard|dp|zero2|
-                 zero3|3d] [--micro-batches N] [--batch B] [--memory-budget 40GiB]
+                 zero3|3d] [--micro-batches N|auto] [--batch B] [--memory-budget 40GiB]
                  [--stages N] [--dp N --tp N --pp N] [--time-limit S] [-o plan.json] [--quiet]
     autopar show plan.json [--png out.png] [--top K]
     autopar profile -o cluster.json [--quick] [--quiet]
@@ -47,6 +47,17 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
     return value
+
+
+def _micro_batches(text: str) -> int | str:
+    """`--micro-batches`: a positive int or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'auto', got {text!r}"
+                                         ) from None
 
 
 def _positive_float(text: str) -> float:
@@ -124,7 +135,11 @@ def make_method(args, cluster):
     micro = args.micro_batches
     if name == "auto":
         # Pipelining pays off with several micro-batches, or across hosts (slow links).
-        name = "pipeshard" if micro > 1 or cluster.num_hosts > 1 else "shard"
+        name = ("pipeshard" if micro == "auto" or micro > 1 or cluster.num_hosts > 1
+                else "shard")
+    if micro == "auto" and name != "pipeshard":
+        raise UsageError(f"--micro-batches auto is for --method pipeshard (the method is "
+                         f"{name})")
     if args.stages is not None and name != "pipeshard":
         raise UsageError(f"--stages is for --method pipeshard (the method is {name})")
     if name != "3d" and any(v is not None for v in (args.dp, args.tp, args.pp)):
@@ -191,6 +206,10 @@ def cmd_plan(args) -> int:
         plan = step.get_plan(*model.args)
         wall = time.perf_counter() - t_search
     traced = step.trace(*model.args)
+    cached = plan.solver.get("plan_cache", {})
+    if cached.get("hit"):
+        print(f"plan cache hit: {cached['path']} (no search; AUTOPAR_CACHE_DIR='' disables "
+              f"the cache)", flush=True)
     phases = dict(plan.solver.get("phases_s", {}))
     search_s = float(plan.solver.get("search_s", sum(phases.values())))
     extra = {"model": model.name, "trace_s": max(0.0, wall - search_s), "wall_s": wall,
@@ -300,7 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a preset ('8xA100-80GB', '2x8xA100-80GB', '8x8xV100-16GB', "
                         "'cpu-local', ...) or a cluster JSON from `autopar profile`")
     p.add_argument("--method", default="auto", choices=METHODS)
-    p.add_argument("--micro-batches", type=_positive_int, default=1, metavar="N")
+    p.add_argument("--micro-batches", type=_micro_batches, default=1, metavar="N|auto",
+                   help="micro-batches per step; auto: pipeshard tries divisors of the batch "
+                        "and keeps the fastest plan (default 1)")
     p.add_argument("--batch", type=_positive_int, default=None, metavar="B",
                    help="global batch size (built-in models: default 1024, gpt-toy 64; "
                         "passed as batch= to a package.module:function)")
