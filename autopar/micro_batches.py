@@ -4,7 +4,8 @@ fastest predicted plan that fits memory.
 The step is traced at micro-batch size, so every count B is its own traced program and its
 own search (each through the plan cache).  The counts tried are a ladder of divisors of the
 batch (`ladder`: 1, 2, 4, ... — every divisor at least twice the previous one, and the
-batch itself), explored by hill climbing from the middle of the ladder (`explore`):
+batch itself), all of them for a short ladder, else explored by hill climbing from the
+middle of the ladder (`explore`):
 
 - memory: a count whose search finds no layout that fits (bigger micro-batches need more
   activation memory) rules out every smaller count too;
@@ -70,14 +71,27 @@ def ladder(batch_size: int) -> list[int]:
     return out
 
 
+# Ladders this short are tried whole (small batches: each search is short, and the step time
+# need not be unimodal there: one stage without a bubble can beat every pipeline).
+EXHAUSTIVE_MAX = 6
+
+
 def explore(counts: Sequence[int], evaluate: Callable[[int], float | None],
             start: int | None = None) -> int | None:
-    """Index into `counts` of the fastest count found by hill climbing from `start`
-    (default: the middle); `evaluate(count)` gives predicted seconds or None (no layout
-    fits: every smaller count is then skipped).  Each count is evaluated at most once."""
+    """Index into `counts` of the fastest count found: every count of a ladder of at most
+    `EXHAUSTIVE_MAX`, else hill climbing from `start` (default: the middle);
+    `evaluate(count)` gives predicted seconds or None (no layout fits: every smaller count
+    is then skipped).  Each count is evaluated at most once."""
     if not counts:
         return None
     seen: dict[int, float | None] = {}
+    if len(counts) <= EXHAUSTIVE_MAX:
+        for k in range(len(counts) - 1, -1, -1):  # most micro-batches (least memory) first
+            seen[k] = evaluate(counts[k])
+            if seen[k] is None:
+                break  # bigger micro-batches need more memory still
+        ok = [k for k, v in seen.items() if v is not None]
+        return min(ok, key=lambda k: (seen[k], k)) if ok else None
 
     def value(k: int) -> float | None:
         if k not in seen:

@@ -34,6 +34,7 @@ from . import pipeline
 from .layer import LayerProgram, differentiable_values
 from .methods import PipelineMethod
 from .plan import LayerPlan, Plan, PredictedCost, StagePlan
+from .solve_pool import SolvePool
 
 # Layer costs only rank stage layouts: a short solver limit per layer solve (the solver then
 # returns its best incumbent) keeps dozens of layer solves affordable.  Seconds.
@@ -83,13 +84,22 @@ def logical_shapes(submesh: tuple[int, int]) -> list[tuple[int, ...]]:
 
 
 def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
-                cluster: ClusterSpec, submesh: tuple[int, int], *, solver: str,
-                time_limit_s: float, batch_size: int | None,
-                forced_batch_axis: bool = False,
-                shapes: Sequence[tuple[int, ...]] | None = None,
-                input_rule: Callable[[int, MeshContext], Spec | None] | None = None,
-                remat: bool = False, num_micro_batches: int = 1,
-                layer: LayerProgram | None = None) -> dict[tuple[int, ...], _Priced]:
+                cluster: ClusterSpec, submesh: tuple[int, int], **kw
+                ) -> dict[tuple[int, ...], _Priced]:
+    """`start_price_stage(...)()`: the layer range priced on every logical shape."""
+    return start_price_stage(graph, program, diff, cluster, submesh, **kw)()
+
+
+def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
+                      cluster: ClusterSpec, submesh: tuple[int, int], *, solver: str,
+                      time_limit_s: float, batch_size: int | None,
+                      forced_batch_axis: bool = False,
+                      shapes: Sequence[tuple[int, ...]] | None = None,
+                      input_rule: Callable[[int, MeshContext], Spec | None] | None = None,
+                      remat: bool = False, num_micro_batches: int = 1,
+                      layer: LayerProgram | None = None,
+                      submit: intra_op.Submit | None = None
+                      ) -> Callable[[], dict[tuple[int, ...], _Priced]]:
     """Intra-op plans of one layer range's forward+backward on a sub-mesh, one per logical
     mesh shape (`shapes`, default: 1-D and every 2-D factorization).
 
@@ -102,7 +112,9 @@ def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
     with that reduction amortized.
 
     `layer` is `LayerProgram.build(graph, program, diff, remat=remat)` when the caller
-    already has it (one trace serves every sub-mesh)."""
+    already has it (one trace serves every sub-mesh).  The problems are built now and
+    handed to `submit` (solved elsewhere, `autopar.solve_pool`) when given; the returned
+    function waits for their answers and gives the plans."""
     if layer is None:
         layer = LayerProgram.build(graph, program, diff, remat=remat)
     fn, fb = layer.fn, layer.fb
@@ -115,7 +127,7 @@ def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
                                        fn.diff_ids) if vid in params and isinstance(op, int)]
     scale = ({i: 1.0 / num_micro_batches for i in _gradient_matmuls(fb, grad_outs)}
              if num_micro_batches > 1 and fn.diff_ids else {})
-    out = {}
+    pending = []
     for shape in shapes or logical_shapes(submesh):
         mesh = MeshContext.build(shape, sub)
         forced = {}
@@ -130,26 +142,36 @@ def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
                 if pos >= len(fn.diff_ids) and v.shape and v.shape[0] == batch_size \
                         and batch_size % shape[0] == 0:
                     forced[vid] = ((mesh.axes[0],),) + ((),) * (v.ndim - 1)
-        res = intra_op.run(fb, mesh, forced=forced, batch_size=batch_size, solver=solver,
-                           time_limit_s=time_limit_s, comm_scale=scale)
-        vs = res.value_specs
-        specs = tuple(vs[fb.invars[position[vid]]] for vid in program.inputs)
-        outs = dict(zip(list(fn.float_outs) + list(fn.int_outs), fb.outvars))
-        cts_out = dict(zip(fn.diff_ids, fb.outvars[layer.num_outs:]))
-        cts_in = dict(zip(fn.float_outs, fb.invars[len(f_ids):]))
-        spec_of = lambda op, vs=vs: vs.get(op) if isinstance(op, int) else None
-        out[shape] = _Priced(
-            res.cost_s, res.memory_bytes, mesh, specs,
-            _residual_bytes(fb, vs, layer.num_outs, per_micro_inputs, mesh),
-            output_specs=tuple(spec_of(outs[v]) or ((),) * graph.values[v].ndim
-                               for v in program.outputs),
-            ct_out_specs=tuple(spec_of(cts_out[v]) if v in cts_out else None
-                               for v in program.inputs),
-            ct_in_specs=tuple(spec_of(cts_in[v]) if v in cts_in else None
-                              for v in program.outputs),
-            value_specs=tuple(sorted(vs.items())), operand_specs=res.operand_specs,
-            num_values=len(fb.values))
-    return out
+        pending.append((shape, mesh, intra_op.start(
+            fb, mesh, forced=forced, batch_size=batch_size, solver=solver,
+            time_limit_s=time_limit_s, comm_scale=scale, submit=submit)))
+    return lambda: {shape: _priced(graph, program, layer, position, per_micro_inputs, mesh,
+                                   run.result()) for shape, mesh, run in pending}
+
+
+def _priced(graph: Graph, program: pipeline.StageProgram, layer: LayerProgram,
+            position: dict[int, int], per_micro_inputs: set[int], mesh: MeshContext,
+            res: intra_op.IntraOpResult) -> _Priced:
+    """A layer range's intra-op solution on one logical mesh, read positionally."""
+    fn, fb = layer.fn, layer.fb
+    f_ids = list(fn.diff_ids) + list(fn.nondiff_ids)
+    vs = res.value_specs
+    specs = tuple(vs[fb.invars[position[vid]]] for vid in program.inputs)
+    outs = dict(zip(list(fn.float_outs) + list(fn.int_outs), fb.outvars))
+    cts_out = dict(zip(fn.diff_ids, fb.outvars[layer.num_outs:]))
+    cts_in = dict(zip(fn.float_outs, fb.invars[len(f_ids):]))
+    spec_of = lambda op: vs.get(op) if isinstance(op, int) else None
+    return _Priced(
+        res.cost_s, res.memory_bytes, mesh, specs,
+        _residual_bytes(fb, vs, layer.num_outs, per_micro_inputs, mesh),
+        output_specs=tuple(spec_of(outs[v]) or ((),) * graph.values[v].ndim
+                           for v in program.outputs),
+        ct_out_specs=tuple(spec_of(cts_out[v]) if v in cts_out else None
+                           for v in program.inputs),
+        ct_in_specs=tuple(spec_of(cts_in[v]) if v in cts_in else None
+                          for v in program.outputs),
+        value_specs=tuple(sorted(vs.items())), operand_specs=res.operand_specs,
+        num_values=len(fb.values))
 
 
 def _residual_bytes(fb: Graph, specs, num_primal_outs: int, kept_inputs: set[int],
@@ -248,13 +270,18 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     # Identical layers share one trace of their forward+backward (that of the first).
     traced_layers: dict[str, tuple[pipeline.StageProgram, LayerProgram]] = {}
 
-    def layer_options(layer: int, submesh: tuple[int, int]) -> dict[tuple[int, ...], _Priced]:
+    started: dict[tuple[str, tuple[int, int]], Callable[[], dict]] = {}
+    pool = SolvePool()
+
+    def start_layer(layer: int, submesh: tuple[int, int]) -> tuple[str, tuple[int, int]]:
+        """Builds the layer's ILPs on `submesh` and hands them to the pool (once per
+        distinct layer program and sub-mesh); returns the cache key."""
         if layer not in program_keys:
             program_keys[layer] = _program_key(graph, layer_programs[layer], diff)
         pkey = program_keys[layer]
         key = (pkey, submesh)
         layer_seen.add((layer, submesh))
-        if key not in layer_cache:
+        if key not in layer_cache and key not in started:
             if progress:
                 progress(f"layer ILP {len(layer_seen)}/{layer_pairs}: layer {layer} on "
                          f"sub-mesh {submesh}")
@@ -263,12 +290,21 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                 traced_layers[pkey] = (prog, LayerProgram.build(graph, prog, diff,
                                                                 remat=split.remat))
             prog, traced = traced_layers[pkey]
-            layer_cache[key] = price_stage(graph, prog, diff, cluster, submesh,
-                                           forced_batch_axis=layout.batch_axis,
-                                           shapes=fixed_shape,
-                                           remat=split.remat,
-                                           num_micro_batches=method.num_micro_batches,
-                                           layer=traced, **layer_kw)
+            started[key] = start_price_stage(
+                graph, prog, diff, cluster, submesh, forced_batch_axis=layout.batch_axis,
+                shapes=fixed_shape, remat=split.remat,
+                num_micro_batches=method.num_micro_batches, layer=traced,
+                submit=pool.submit, **layer_kw)
+        return key
+
+    def layer_options(layer: int, submesh: tuple[int, int]) -> dict[tuple[int, ...], _Priced]:
+        key = start_layer(layer, submesh)
+        if key not in layer_cache:
+            layer_cache[key] = started.pop(key)()
+            if progress:
+                best = min(layer_cache[key].values(), key=lambda p: p.cost_s)
+                progress(f"layer ILP {len(layer_cache)} solved: layer {layer} on sub-mesh "
+                         f"{submesh}, best {best.cost_s * 1e3:.3f} ms/mb on {best.mesh.shape}")
         return layer_cache[key]
 
     micro = method.num_micro_batches
@@ -313,21 +349,33 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     activations = {o for e in graph.eqns for o in e.outputs}
     received: dict[tuple[int, int], list[int]] = {}
     t_phase = time.perf_counter()
-    if layout.equal_layers:
-        bounds = inter_op.equal_ranges(lay.num_layers, len(layout.submesh_shapes))
-        choice = list(zip(bounds, layout.submesh_shapes))
-    elif layout.submesh_shapes is not None:
-        choice = _best_split(lay.num_layers, list(layout.submesh_shapes), range_cost, micro)
-        phases["layer ILPs + stage split"] = time.perf_counter() - t_phase
-    else:
-        submeshes = inter_op.submesh_shapes(hosts, per_host)
-        result = inter_op.run(lay.num_layers, submeshes,
-                              lambda i, j, s: range_cost(i, j, submeshes[s]), num_devices=n,
-                              num_micro_batches=micro, num_stages=layout.num_stages)
-        choice = [(st.layers, st.submesh) for st in result.stages]
-        # inter_op fills its cost table (the layer ILPs) before the DP proper.
-        phases["layer ILPs"] = result.stats["cost_s"]
-        phases["stage DP"] = result.stats["seconds"] - result.stats["cost_s"]
+    try:
+        # Every layer is priced on every sub-mesh in play: build all the ILPs up front so the
+        # pool solves them while the rest are built (and the DP then waits on the answers).
+        for submesh in sorted(set(layout.submesh_shapes) if layout.submesh_shapes is not None
+                              else inter_op.submesh_shapes(hosts, per_host)):
+            for layer in range(lay.num_layers):
+                start_layer(layer, submesh)
+        phases["layer ILP builds"] = time.perf_counter() - t_phase
+        if layout.equal_layers:
+            bounds = inter_op.equal_ranges(lay.num_layers, len(layout.submesh_shapes))
+            choice = list(zip(bounds, layout.submesh_shapes))
+        elif layout.submesh_shapes is not None:
+            choice = _best_split(lay.num_layers, list(layout.submesh_shapes), range_cost, micro)
+            phases["layer ILPs + stage split"] = time.perf_counter() - t_phase
+        else:
+            submeshes = inter_op.submesh_shapes(hosts, per_host)
+            result = inter_op.run(lay.num_layers, submeshes,
+                                  lambda i, j, s: range_cost(i, j, submeshes[s]), num_devices=n,
+                                  num_micro_batches=micro, num_stages=layout.num_stages)
+            choice = [(st.layers, st.submesh) for st in result.stages]
+            # inter_op fills its cost table (the layer ILPs) before the DP proper.
+            phases["layer ILPs"] = result.stats["cost_s"]
+            phases["stage DP"] = result.stats["seconds"] - result.stats["cost_s"]
+    except BaseException:
+        pool.close(cancel=True)
+        raise
+    pool.close()  # waits for solves still queued (their answers are cached)
     if progress:
         progress(f"stages chosen: {[c[0] for c in choice]}")
     devices = inter_op.assign_devices([s for _, s in choice], hosts, per_host)

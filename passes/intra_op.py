@@ -19,6 +19,8 @@ import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from typing import Protocol
 
 import numpy as np
 
@@ -107,13 +109,72 @@ def run(graph: Graph, mesh: MeshContext, *,
         1/B for the matmuls producing parameter gradients that are reduced once per B
         micro-batches).
     """
+    return start(graph, mesh, forced=forced, ties=ties,
+                 memory_budget_bytes=memory_budget_bytes, batch_size=batch_size,
+                 solver=solver, time_limit_s=time_limit_s, comm_scale=comm_scale).result()
+
+
+class Submit(Protocol):
+    """Hands a problem to a solver that may run elsewhere (`autopar.solve_pool.SolvePool`):
+    returns a future of `passes.solver.solve(problem, time_limit_s=, backend=)`."""
+
+    def __call__(self, problem: ShardingProblem, *, time_limit_s: float,
+                 backend: str) -> Future: ...
+
+
+def start(graph: Graph, mesh: MeshContext, *,
+          forced: Mapping[int, Spec] | None = None,
+          ties: Sequence[tuple[int, int]] = (),
+          memory_budget_bytes: float | None = None,
+          batch_size: int | None = None,
+          solver: Backend = DEFAULT_BACKEND,
+          time_limit_s: float = 60.0,
+          comm_scale: Mapping[int, float] | None = None,
+          submit: Submit | None = None) -> PendingRun:
+    """`run` in two halves: builds the problem now and, given `submit`, hands it to a
+    solver running elsewhere; `.result()` waits for the answer and reads the plan off it
+    (re-solving here with the memory rows if the answer does not fit the budget)."""
     t0 = time.perf_counter()
     builder = _built(graph, mesh, forced, ties, batch_size, comm_scale)
     # Solve without the memory rows first: most plans fit, and the unconstrained problem
     # reduces much further (memory-free leaves and chains are eliminated exactly).
     problem = builder.problem(None)
     t_build = time.perf_counter() - t0
-    solution = solve(problem, time_limit_s=time_limit_s, backend=solver)
+    future = (submit(problem, time_limit_s=time_limit_s, backend=solver)
+              if submit is not None else None)
+    return PendingRun(graph, mesh, builder, problem, future, t_build, tuple(ties),
+                      memory_budget_bytes, solver, time_limit_s)
+
+
+@dataclasses.dataclass
+class PendingRun:
+    """An intra-op problem built and (maybe) being solved elsewhere; see `start`."""
+
+    graph: Graph
+    mesh: MeshContext
+    builder: _ProblemBuilder
+    problem: ShardingProblem
+    future: Future | None
+    build_s: float
+    ties: tuple[tuple[int, int], ...]
+    memory_budget_bytes: float | None
+    solver: Backend
+    time_limit_s: float
+
+    def result(self) -> IntraOpResult:
+        graph, mesh, builder, problem = self.graph, self.mesh, self.builder, self.problem
+        solver, time_limit_s = self.solver, self.time_limit_s
+        memory_budget_bytes = self.memory_budget_bytes
+        solution = (self.future.result() if self.future is not None else
+                    solve(problem, time_limit_s=time_limit_s, backend=solver))
+        return _finish(graph, mesh, builder, problem, solution, self.build_s, self.ties,
+                       memory_budget_bytes, solver, time_limit_s)
+
+
+def _finish(graph: Graph, mesh: MeshContext, builder: _ProblemBuilder,
+            problem: ShardingProblem, solution: Solution, t_build: float,
+            ties: Sequence[tuple[int, int]], memory_budget_bytes: float | None,
+            solver: Backend, time_limit_s: float) -> IntraOpResult:
     memory_bound = False
     if memory_budget_bytes is not None and (
             _peak_memory(problem, solution.strategies) > memory_budget_bytes):
