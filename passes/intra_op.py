@@ -20,7 +20,7 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -87,31 +87,10 @@ class _Group:
     label: str = ""
 
 
-def run(graph: Graph, mesh: MeshContext, *,
-        forced: Mapping[int, Spec] | None = None,
-        ties: Sequence[tuple[int, int]] = (),
-        memory_budget_bytes: float | None = None,
-        batch_size: int | None = None,
-        solver: Backend = DEFAULT_BACKEND,
-        time_limit_s: float = 60.0,
-        comm_scale: Mapping[int, float] | None = None) -> IntraOpResult:
-    """Chooses a spec for every value of `graph` on `mesh`.
-
-    Args:
-      graph: the program.
-      mesh: the logical mesh.
-      forced: input value id → the only spec it may take (DataParallel, ZeRO, ...).
-      ties: (output position, input value id) pairs: the output replaces that input.
-      memory_budget_bytes: peak bytes per device the plan must fit, or None.
-      batch_size: leading size of the batch inputs (helps opaque control flow).
-      solver / time_limit_s: passed to `passes.solver.solve`.
-      comm_scale: equation index → factor on the communication its strategies carry (e.g.
-        1/B for the matmuls producing parameter gradients that are reduced once per B
-        micro-batches).
-    """
-    return start(graph, mesh, forced=forced, ties=ties,
-                 memory_budget_bytes=memory_budget_bytes, batch_size=batch_size,
-                 solver=solver, time_limit_s=time_limit_s, comm_scale=comm_scale).result()
+def run(graph: Graph, mesh: MeshContext, **options: Any) -> IntraOpResult:
+    """Chooses a spec for every value of `graph` on `mesh`: `start(graph, mesh,
+    **options).result()` (the options are `start`'s)."""
+    return start(graph, mesh, **options).result()
 
 
 class Submit(Protocol):
@@ -133,7 +112,21 @@ def start(graph: Graph, mesh: MeshContext, *,
           submit: Submit | None = None) -> PendingRun:
     """`run` in two halves: builds the problem now and, given `submit`, hands it to a
     solver running elsewhere; `.result()` waits for the answer and reads the plan off it
-    (re-solving here with the memory rows if the answer does not fit the budget)."""
+    (re-solving here with the memory rows if the answer does not fit the budget).
+
+    Args:
+      graph: the program.
+      mesh: the logical mesh.
+      forced: input value id → the only spec it may take (DataParallel, ZeRO, ...).
+      ties: (output position, input value id) pairs: the output replaces that input.
+      memory_budget_bytes: peak bytes per device the plan must fit, or None.
+      batch_size: leading size of the batch inputs (helps opaque control flow).
+      solver / time_limit_s: passed to `passes.solver.solve`.
+      comm_scale: equation index → factor on the communication its strategies carry (e.g.
+        1/B for the matmuls producing parameter gradients that are reduced once per B
+        micro-batches).
+      submit: where to solve (default: here, when `.result()` is called).
+    """
     t0 = time.perf_counter()
     builder = _built(graph, mesh, forced, ties, batch_size, comm_scale)
     # Solve without the memory rows first: most plans fit, and the unconstrained problem
