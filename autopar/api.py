@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from autopar.cost_model import ClusterSpec
 from autopar.graph import Graph
@@ -62,6 +62,7 @@ class Traced:
     _positions: list[int] = dataclasses.field(repr=False)
     _step: ParallelizedFunction = dataclasses.field(repr=False)
     _executable: Any = dataclasses.field(default=None, repr=False)
+    _shardings: tuple[list, list] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def graph(self) -> Graph:
@@ -81,6 +82,29 @@ class Traced:
         `as_text()`, `memory_analysis()`, `cost_analysis()`); for pipeline plans, an object
         whose `.compile()` gives every stage's compiled forward and backward."""
         return self.executable.lower(*self.args_info)
+
+    def input_shardings(self) -> tuple:
+        """The `jax.sharding.Sharding` the program expects for every leaf of every dynamic
+        argument (static arguments excluded): a tuple with one pytree per argument, in
+        argument order.  Arguments laid out so (`autopar.place`, or a checkpoint restored
+        into them) reach the program without a reshard."""
+        return tuple(jax.tree_util.tree_unflatten(self.in_tree, self._flat_shardings()[0]))
+
+    def output_shardings(self) -> Any:
+        """The `jax.sharding.Sharding` of every leaf the step returns (a pytree like the
+        output) when its arguments are laid out as `input_shardings()`."""
+        return jax.tree_util.tree_unflatten(self.out_tree, self._flat_shardings()[1])
+
+    def _flat_shardings(self) -> tuple[list, list]:
+        if self._shardings is None:
+            if self.plan.stages:
+                runtime = self.executable
+                self._shardings = (runtime.input_shardings(), runtime.output_shardings())
+            else:
+                mesh = build_mesh(self.plan, self._step._devices())
+                self._shardings = tuple([NamedSharding(mesh, to_pspec(s)) for s in specs]
+                                        for specs in (self.plan.in_specs, self.plan.out_specs))
+        return self._shardings
 
 
 class ParallelizedFunction:
@@ -130,6 +154,15 @@ class ParallelizedFunction:
     def lower(self, *args):
         """`self.trace(*args).lower()`: JAX's lowered program(s) for these arguments."""
         return self.trace(*args).lower()
+
+    def input_shardings(self, *args) -> tuple:
+        """`self.trace(*args).input_shardings()`: the sharding of every dynamic argument
+        leaf the program expects (arguments may be `jax.ShapeDtypeStruct`s)."""
+        return self.trace(*args).input_shardings()
+
+    def output_shardings(self, *args) -> Any:
+        """`self.trace(*args).output_shardings()`: the sharding of every output leaf."""
+        return self.trace(*args).output_shardings()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -426,6 +459,25 @@ def parallelize(fun: Callable | None = None, *, method: Method | None = None,
                                     plan=plan, devices=devices, cluster=cluster)
 
     return wrap(fun) if fun is not None else wrap
+
+
+def place(step: ParallelizedFunction, *args) -> tuple:
+    """`args` laid out as `step`'s program expects them (`step.input_shardings(*args)`):
+    every leaf of every dynamic argument moved by one `jax.device_put` (device to device
+    for arrays already on devices: no host gather); static arguments returned as given.
+    A step called on the placed arguments moves nothing before it runs.
+
+    Example: `state, batch = autopar.place(step, init_state(), batch)`.
+    """
+    traced = step.trace(*args)
+    dynamic, _, positions = step._split(args)
+    leaves = jax.tree_util.tree_leaves(dynamic)
+    shardings = traced._flat_shardings()[0]
+    placed = jax.tree_util.tree_unflatten(traced.in_tree, jax.device_put(leaves, shardings))
+    out = list(args)
+    for pos, value in zip(positions, placed):
+        out[pos] = value
+    return tuple(out)
 
 
 def plan(train_step: Callable, *abstract_args, cluster: ClusterSpec | str,

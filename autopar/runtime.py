@@ -338,6 +338,87 @@ class PipelineRuntime:
         self._run_segments(self.post, env)
         return [v.val if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
 
+    # ---- layouts (`Traced.input_shardings` / `output_shardings`, checkpoints) --------------
+
+    def input_shardings(self) -> list[jax.sharding.Sharding]:
+        """Where each flattened step input must be for a call to move nothing: a leaf that a
+        stage reads (parameters, the batch) on the mesh of the first stage that reads it, in
+        that stage's input spec; a leaf only the outer program reads, replicated on the
+        mesh of the first segment that reads it; an unread leaf replicated on stage 0."""
+        home: dict[Any, jax.sharding.Sharding] = {}
+        for src, vid in zip(self.f_source, self.f_inputs):
+            if not isinstance(src, jcore.Literal) and vid in self.owner:
+                home.setdefault(src, self.stages[self.owner[vid]].shardings[vid])
+        for seg in self.pre + self.post:
+            for v in seg.inputs:
+                home.setdefault(v, NamedSharding(self.stages[seg.stage].mesh, PartitionSpec()))
+        default = NamedSharding(self.stages[0].mesh, PartitionSpec())
+        return [home.get(v, default) for v in self.split.step.jaxpr.invars]
+
+    def output_shardings(self) -> list[jax.sharding.Sharding]:
+        """The layout of each flattened step output when the inputs are laid out as
+        `input_shardings()` says, read from the compiled programs that make it (stage
+        forwards for the loss and aux, outer segments for the rest); a constant output
+        (returned as a host value) is listed as replicated on the last stage."""
+        split, graph = self.split, self.graph
+        jaxpr = split.step.jaxpr
+        env: dict[Any, Any] = {v: jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s)
+                               for v, s in zip(jaxpr.invars, self.input_shardings())}
+        env.update(zip(jaxpr.constvars, split.step.consts))
+
+        def run(segments: list[_Segment]) -> None:
+            for seg in segments:
+                mesh = self.stages[seg.stage].mesh
+                args = [_abstract_on(env[v], mesh) for v in seg.inputs]
+                env.update(zip(seg.outputs, seg.fn.lower(*args).compile().output_shardings))
+                for v in seg.outputs:
+                    env[v] = jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=env[v])
+
+        run(self.pre)
+        full = {vid: env[src] for vid, src in zip(self.f_inputs, self.f_source)
+                if not isinstance(src, jcore.Literal)}
+        final = {op for op in graph.outvars if isinstance(op, int)}
+        made: dict[int, jax.sharding.Sharding] = {}
+        for st in self.stages:
+            if final.isdisjoint(st.float_outs + st.int_outs):
+                continue
+            spec = lambda v, st=st: jax.ShapeDtypeStruct(
+                graph.values[v].shape, graph.values[v].dtype, sharding=st.shardings[v])
+            outs, _, ints = st.forward.lower([spec(v) for v in st.diff_ids],
+                                             [spec(v) for v in st.nondiff_ids]
+                                             ).compile().output_shardings
+            made.update(zip(st.float_outs + st.int_outs, list(outs) + list(ints)))
+        last = NamedSharding(self.stages[-1].mesh, PartitionSpec())
+        values = [last if not isinstance(op, int)
+                  else made[op] if op in made else _sharding_of(full.get(op), last)
+                  for op in graph.outvars]
+        differentiated = {v for st in self.stages for v in st.diff_ids}
+        for j in split.diff_inputs:
+            vid = self.f_inputs[j]
+            values.append(self.stages[self.owner[vid]].shardings[vid] if vid in differentiated
+                          else _sharding_of(full.get(vid), last))
+        marker = split.marker_eqn
+        for v, s in zip(marker.outvars, values):
+            env[v] = jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s)
+        run(self.post)
+        return [last if isinstance(v, jcore.Literal) else _sharding_of(env[v], last)
+                for v in jaxpr.outvars]
+
+
+def _sharding_of(x: Any, default: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """The sharding of an array or a sharded `ShapeDtypeStruct`; `default` for host values."""
+    sharding = getattr(x, "sharding", None)
+    return sharding if isinstance(sharding, jax.sharding.Sharding) else default
+
+
+def _abstract_on(x: Any, mesh: Mesh) -> jax.ShapeDtypeStruct:
+    """What `_on_devices(x, mesh)` gives, as a sharded `ShapeDtypeStruct`."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    sharding = _sharding_of(x, replicated)
+    if sharding.device_set != set(mesh.devices.flat):
+        sharding = replicated
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
 
 @dataclasses.dataclass(frozen=True)
 class StageCompiled:
