@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -62,7 +62,7 @@ class Traced:
     _positions: list[int] = dataclasses.field(repr=False)
     _step: ParallelizedFunction = dataclasses.field(repr=False)
     _executable: Any = dataclasses.field(default=None, repr=False)
-    _shardings: tuple[list, list] | None = dataclasses.field(default=None, repr=False)
+    _layouts: dict[str, list] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def graph(self) -> Graph:
@@ -88,23 +88,25 @@ class Traced:
         argument (static arguments excluded): a tuple with one pytree per argument, in
         argument order.  Arguments laid out so (`autopar.place`, or a checkpoint restored
         into them) reach the program without a reshard."""
-        return tuple(jax.tree_util.tree_unflatten(self.in_tree, self._flat_shardings()[0]))
+        return tuple(jax.tree_util.tree_unflatten(self.in_tree, self._shardings("in")))
 
     def output_shardings(self) -> Any:
         """The `jax.sharding.Sharding` of every leaf the step returns (a pytree like the
         output) when its arguments are laid out as `input_shardings()`."""
-        return jax.tree_util.tree_unflatten(self.out_tree, self._flat_shardings()[1])
+        return jax.tree_util.tree_unflatten(self.out_tree, self._shardings("out"))
 
-    def _flat_shardings(self) -> tuple[list, list]:
-        if self._shardings is None:
-            if self.plan.stages:
+    def _shardings(self, side: Literal["in", "out"]) -> list[jax.sharding.Sharding]:
+        """Flattened input ("in") or output ("out") shardings, computed once."""
+        if side not in self._layouts:
+            if self.plan.stages:   # the pipeline runtime decides where values live
                 runtime = self.executable
-                self._shardings = (runtime.input_shardings(), runtime.output_shardings())
+                self._layouts[side] = (runtime.input_shardings() if side == "in"
+                                       else runtime.output_shardings())
             else:
                 mesh = build_mesh(self.plan, self._step._devices())
-                self._shardings = tuple([NamedSharding(mesh, to_pspec(s)) for s in specs]
-                                        for specs in (self.plan.in_specs, self.plan.out_specs))
-        return self._shardings
+                specs = self.plan.in_specs if side == "in" else self.plan.out_specs
+                self._layouts[side] = [NamedSharding(mesh, to_pspec(s)) for s in specs]
+        return self._layouts[side]
 
 
 class ParallelizedFunction:
@@ -472,7 +474,7 @@ def place(step: ParallelizedFunction, *args) -> tuple:
     traced = step.trace(*args)
     dynamic, _, positions = step._split(args)
     leaves = jax.tree_util.tree_leaves(dynamic)
-    shardings = traced._flat_shardings()[0]
+    shardings = traced._shardings("in")
     placed = jax.tree_util.tree_unflatten(traced.in_tree, jax.device_put(leaves, shardings))
     out = list(args)
     for pos, value in zip(positions, placed):

@@ -14,6 +14,7 @@ import functools
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -243,3 +244,82 @@ def test_killed_save_leaves_the_previous_checkpoint(when, tmp_path):
         ckpts.wait_until_finished()
         assert ckpts.all_steps() == [1, 2]
     assert not [p.name for p in tmp_path.iterdir() if "tmp" in p.name]
+
+
+_PROCESS = textwrap.dedent("""
+    import dataclasses, os, sys
+    process_id, port, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    import jax
+    jax.config.update("jax_num_cpu_devices", 4)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+                               initialization_timeout=60)
+    import numpy as np
+    import autopar
+    sys.path.insert(0, "tests")
+    from models import make_case
+
+    # The plan searched by the test, on this job's devices (process i holds ids i*2048+...).
+    plan = autopar.Plan.load(os.path.join(workdir, "plan.json"))
+    plan = dataclasses.replace(plan, device_ids=tuple(d.id for d in jax.devices()))
+    case = make_case("gpt", "adamw")
+    step = autopar.parallelize(case.step, plan=plan, cluster=os.path.join(workdir, "cluster.json"))
+    state, _ = step(*autopar.place(step, *jax.tree.map(np.asarray, case.init())))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), case.init())
+    with autopar.Checkpoints(os.path.join(workdir, "ckpt")) as ckpts:
+        ckpts.save(1, state)
+        ckpts.wait_until_finished()
+        restored = ckpts.restore_into(step, *abstract)
+    expected = step.input_shardings(*abstract)[0]
+    for x, y, s in zip(jax.tree.leaves(restored), jax.tree.leaves(state),
+                       jax.tree.leaves(expected), strict=True):
+        assert x.sharding == s and not x.is_fully_addressable
+        for a, b in zip(x.addressable_shards, y.addressable_shards, strict=True):
+            assert a.index == b.index
+            assert np.asarray(a.data).tobytes() == np.asarray(b.data).tobytes()
+    print("restored", len(jax.tree.leaves(restored)), "leaves", flush=True)
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_save_and_restore_their_shards(tmp_path):
+    """Two processes (4 CPU devices each, gloo) run one step on a 2x4 mesh spanning both,
+    save, and each restores its own shards bit-exact; this process then restores the
+    two-process checkpoint on its 8 local devices: equal to its own run of the step."""
+    case = _case()
+    step = _step("shard")
+    state, batch = case.init()
+    step.get_plan(state, batch).save(tmp_path / "plan.json")
+    cheap_comm_cluster().save(tmp_path / "cluster.json")
+    port = _free_port()
+    logs = [open(tmp_path / f"process{i}.log", "w") for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", _PROCESS, str(i), str(port), str(tmp_path)],
+                              cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+             for i, log in enumerate(logs)]
+    try:
+        codes = [p.wait(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        for log in logs:
+            log.close()
+    outputs = [(tmp_path / f"process{i}.log").read_text() for i in range(2)]
+    for code, out in zip(codes, outputs):
+        assert code == 0 and "restored 109 leaves" in out, out[-3000:]
+
+    ref, _ = step(*autopar.place(step, state, batch))
+    with autopar.Checkpoints(tmp_path / "ckpt") as ckpts:
+        assert ckpts.all_steps() == [1]
+        restored = ckpts.restore_into(step, *_abstract((state, batch)))
+    for (path, x), (_, r) in zip(_leaves(restored), _leaves(ref), strict=True):
+        assert x.is_fully_addressable
+        np.testing.assert_allclose(np.asarray(x), np.asarray(r), err_msg=path, rtol=1e-5,
+                                   atol=1e-6)
