@@ -19,7 +19,6 @@ benchmarks/results/checkpoint_io.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import shutil
@@ -37,6 +36,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 import autopar  # noqa: E402
 from autopar import models as zoo  # noqa: E402
 from autopar.checkpoint import restore_target  # noqa: E402
+from autopar.cost_model.jsonio import write_json_atomic  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MODEL = "gpt-toy"
@@ -131,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
              "reshard); host path = restore to NumPy, then `autopar.place`. On disk: Orbax's "
              "OCDBT files (compressed; the size varies between identical saves with how "
              "tensorstore batches the writes: range in the JSON).", "",
+             "At this size the host path is faster: the sharded restore first reads the "
+             "checkpoint's metadata (about 0.1 s here) to check the target leaf by leaf, then "
+             "fills every device's shard of each of the 205 leaves; with 2.5 MiB in all, "
+             "these fixed costs dominate.  What the sharded path buys is memory: no process "
+             "ever holds the whole state on its host, and each reads only its own shards.",
+             "",
              "| saved by | restored into | on disk (MiB) | save (s) | committed (s) | "
              "restore (s) | host path (s) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -138,11 +144,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['disk_bytes'] / 2**20:.2f} | {r['save_s']:.3f} | "
                      f"{r['committed_s']:.3f} | {r['restore_s']:.3f} | "
                      f"{r['host_restore_and_place_s']:.3f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
+    print("\n".join(lines))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "checkpoint_io.md").write_text(text)
-    (RESULTS / "checkpoint_io.json").write_text(json.dumps(rows, indent=1))
+    write_json_atomic(RESULTS / "checkpoint_io.json", rows)
+    (RESULTS / "checkpoint_io.md").write_text("\n".join(lines) + "\n")
     return 0
 
 
