@@ -3,7 +3,8 @@
 from autopar.cost_model import ClusterSpec
 from autopar.passes.intra_op import MemoryBudgetError
 
-from .api import FingerprintError, ParallelizedFunction, Traced, parallelize, plan
+from .api import FingerprintError, ParallelizedFunction, Traced, parallelize, place, plan
+from .checkpoint import CheckpointMismatchError, Checkpoints
 from .markers import grad, mark_pipeline_boundary, value_and_grad
 from .methods import (
     DataParallel,
@@ -19,6 +20,8 @@ from .methods import (
 from .plan import Plan, PlanError, PredictedCost, StagePlan
 
 __all__ = [
+    "CheckpointMismatchError",
+    "Checkpoints",
     "ClusterSpec",
     "DataParallel",
     "FingerprintError",
@@ -40,6 +43,7 @@ __all__ = [
     "grad",
     "mark_pipeline_boundary",
     "parallelize",
+    "place",
     "plan",
     "value_and_grad",
 ]
