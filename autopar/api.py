@@ -15,7 +15,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from autopar.cost_model import ClusterSpec
 from autopar.graph import Graph
 
-from . import markers, microbatch, pipeline, pipeline_planner, planner, schedules
+from . import markers, microbatch, outer, pipeline, pipeline_planner, planner, schedules
 from .emit import build_mesh, emit, to_pspec
 from .methods import Method, ShardParallel
 from .plan import Plan, PlanError, verify_plan
@@ -186,7 +186,9 @@ class ParallelizedFunction:
             out = traced.executable(*leaves)
             return jax.tree_util.tree_unflatten(traced.out_tree, out)
         executable = traced.executable
-        leaves = [_placed(x, sh) for x, sh in zip(leaves, traced._shardings("in"))]
+        donated = set(traced.donated_leaves())
+        leaves = [outer.place(x, sh, private=k in donated)
+                  for k, (x, sh) in enumerate(zip(leaves, traced._shardings("in")))]
         out = executable(*leaves)
         self._fast = traced.fast_call()
         return jax.tree_util.tree_unflatten(traced.out_tree, out)
@@ -352,14 +354,6 @@ def _pipeline_runtime(traced: Traced, devices, donate: Sequence[int]) -> Pipelin
 
 class _OtherShapes(Exception):
     """Raised while the fast path traces arguments another plan is for."""
-
-
-def _placed(x: Any, sharding) -> Any:
-    """`x` laid out as `sharding`: itself when it already is, else a copy that shares no
-    buffer with `x` (the step may donate it; the caller's array must stay valid)."""
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x
-    return jax.device_put(x, sharding, may_alias=False)
 
 
 def _is_weak(x: Any) -> bool:

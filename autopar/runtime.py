@@ -198,7 +198,10 @@ class PipelineRuntime:
             total = chunks[0]
             for c in chunks[1:]:
                 total = total + c
-            values.append(total / n if is_float(chunks[0].dtype) else chunks[-1])
+            value = total / n if is_float(chunks[0].dtype) else chunks[-1]
+            if op in self.stage_of_value:
+                value = outer.place(value, self._f_output_sharding(op))
+            values.append(value)
         env.update(zip(marker.outvars, values + grads))
         outer.run(self.post, env)
         return [v.val if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
@@ -228,11 +231,18 @@ class PipelineRuntime:
 
     # ---- layouts ----------------------------------------------------------------------------
 
+    def _f_output_sharding(self, vid: int) -> Sharding:
+        return self.stages[self.stage_of_value[vid]].output_sharding(vid)
+
     def _sharding_of(self, var: Any, segments_key: str) -> Sharding:
         """Where the step keeps `var` (a step input or output variable)."""
         layout = self.layouts.get(var)
         if layout is not None:
             return layout[1]
+        marker = self.split.marker_eqn
+        for out, op in zip(marker.outvars, self.graph.outvars):
+            if out is var and isinstance(op, int) and op in self.stage_of_value:
+                return self._f_output_sharding(op)
         for src, vid in zip(self.f_source, self.f_inputs):
             if src is var and vid in self.owner:
                 st = self.stages[self.owner[vid]]

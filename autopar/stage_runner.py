@@ -172,6 +172,18 @@ class StageRunner:
             found[v] = {tuple(a for a in k.split(",") if a): x for k, x in parts.items()}
         return found
 
+    def output_sharding(self, vid: int) -> NamedSharding:
+        """The layout the stage's forward gives its output `vid` (the producing layer's
+        planned spec; replicated when the plan has none)."""
+        for layer, lp in zip(self.layers, self.plan.layer_plans or [None] * len(self.layers)):
+            prog = layer.program
+            outs = dict(zip(list(prog.fn.float_outs) + list(prog.fn.int_outs), prog.fb.outvars))
+            if vid in outs and lp is not None:
+                spec = dict(lp.value_specs).get(outs[vid])
+                if spec is not None:
+                    return NamedSharding(self.mesh, to_pspec(spec))
+        return NamedSharding(self.mesh, PartitionSpec())
+
     def _aval(self, vid: int) -> jax.ShapeDtypeStruct:
         v = self.graph.values[vid]
         return jax.ShapeDtypeStruct(v.shape, v.dtype)
