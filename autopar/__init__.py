@@ -3,6 +3,7 @@
 from autopar.cost_model import ClusterSpec
 from autopar.passes.intra_op import MemoryBudgetError
 
+from . import distributed
 from .api import FingerprintError, ParallelizedFunction, Traced, parallelize, plan
 from .markers import grad, mark_pipeline_boundary, value_and_grad
 from .methods import (
@@ -41,5 +42,6 @@ __all__ = [
     "mark_pipeline_boundary",
     "parallelize",
     "plan",
+    "distributed",
     "value_and_grad",
 ]

@@ -1,0 +1,255 @@
+"""Several processes on jax.distributed, started by `autopar launch` (2 processes x 4 CPU
+devices, and 4 x 2): single-mesh plans on a mesh spanning every process equal the
+single-device `jax.jit` step; one plan everywhere; a dead or missing process stops the
+others with a clear error in bounded time; the launcher itself.
+
+Every run has a hard wall-clock timeout (the launcher kills all its processes when it
+strikes).  Tolerances: AdamW (eps 1e-4) at rtol 1e-3 / atol 1e-4, as in
+test_equivalence.py: reduction order differs between the programs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from autopar.launch import launch
+
+from helpers import run_steps
+from models import make_case
+from multihost import ROOT, SCRIPTS, report, run_processes
+
+TOL = dict(rtol=1e-3, atol=1e-4)
+STEPS = 3
+# The GPT's ILPs get 2 s per mesh shape (the same plan as the default limit, 10x sooner).
+TIME_LIMIT = "2"
+
+
+@functools.cache
+def reference(name: str) -> tuple[list[float], list[np.ndarray]]:
+    """Losses and final state leaves of STEPS AdamW steps of the single-device jax.jit step."""
+    case = make_case(name, "adamw")
+    state, _ = case.init()
+    batches = [case.batch_for_step(i) for i in range(STEPS)]
+    final, losses = run_steps(jax.jit(case.step), state, batches)
+    return losses, [np.asarray(x) for x in jax.tree.leaves(final)]
+
+
+def ranks_json(out, processes: int) -> list[dict]:
+    return [json.loads((out / f"rank{k}.json").read_text()) for k in range(processes)]
+
+
+def assert_equals_reference(name: str, out) -> None:
+    ref_losses, ref_leaves = reference(name)
+    result = np.load(out / "result.npz", allow_pickle=False)
+    np.testing.assert_allclose(result["losses"], ref_losses, **TOL)
+    assert len([k for k in result.files if k.startswith("leaf")]) == len(ref_leaves)
+    for k, ref in enumerate(ref_leaves):
+        np.testing.assert_allclose(result[f"leaf{k}"], ref, err_msg=f"state leaf {k}", **TOL)
+
+
+def assert_one_plan_across(infos: list[dict], processes: int, devices_per_process: int):
+    """Every rank ran the same plan, on a mesh of every device; each passed its own rows."""
+    assert len({(i["fingerprint"], i["plan"]) for i in infos}) == 1, infos
+    assert all(np.prod(i["mesh_shape"]) == processes * devices_per_process for i in infos)
+    assert len({tuple(i["local_devices"]) for i in infos}) == processes
+    batch = 16
+    for k, info in enumerate(infos):
+        for start, stop in jax.tree.leaves(info["rows"], is_leaf=lambda x: isinstance(x, list)):
+            block = batch // processes
+            assert (start, stop) in ((k * block, (k + 1) * block), (0, batch)), (k, info["rows"])
+
+
+@pytest.mark.parametrize("name", ["gpt", "convbn"])
+def test_shard_parallel_on_two_processes(name, tmp_path):
+    run_processes(SCRIPTS / "train.py", name, tmp_path, "--time-limit", TIME_LIMIT)
+    assert_one_plan_across(ranks_json(tmp_path, 2), 2, 4)
+    assert_equals_reference(name, tmp_path)
+
+
+def test_shard_parallel_on_four_processes_of_two_devices(tmp_path):
+    run_processes(SCRIPTS / "train.py", "gpt", tmp_path, "--time-limit", TIME_LIMIT,
+                  processes=4, devices_per_process=2)
+    assert_one_plan_across(ranks_json(tmp_path, 4), 4, 2)
+    assert_equals_reference("gpt", tmp_path)
+
+
+def test_one_plan_when_the_searches_would_differ(tmp_path):
+    # Rank 0 asks for ShardParallel with a 0.1 s ILP limit, rank 1 for ZeRO-3: two
+    # independent searches could not agree; every process runs process 0's plan.
+    run_processes(SCRIPTS / "train.py", "gpt", tmp_path, "--methods", "shard,zero3",
+                  "--time-limit", "0.1")
+    infos = ranks_json(tmp_path, 2)
+    assert [i["method"] for i in infos] == ["shard", "shard"]
+    assert_one_plan_across(infos, 2, 4)
+    assert_equals_reference("gpt", tmp_path)
+
+
+def test_processes_tracing_different_programs_stop_before_the_first_step(tmp_path):
+    # Rank 1 passes its local rows as if they were the global batch (a common mistake):
+    # its trace differs from process 0's, and both stop with the reason.
+    result = run_processes(SCRIPTS / "train.py", "mlp", tmp_path, "--wrong-batch-rank", "1",
+                           expect_ok=False, timeout_s=180)
+    assert result.returncode != 0, report(result)
+    assert all(not r.ok and not r.stopped_by_launcher for r in result.ranks), report(result)
+    assert "process 1 traced a different program than process 0" in result.output(1), \
+        report(result, [1])
+    assert "do not run one plan" in result.output(0), report(result, [0])
+    assert not (tmp_path / "rank0.json").exists()
+
+
+def test_a_killed_process_stops_the_others(tmp_path):
+    # Rank 1 dies (SIGKILL) while step 1 is in flight; rank 0 must stop by itself (the
+    # launcher's grace period is longer than the bound) with a clear error, in < 60 s.
+    result = run_processes(SCRIPTS / "train.py", "mlp", tmp_path, "--methods", "dp",
+                           "--kill-rank", "1", "--kill-step", "1", expect_ok=False,
+                           grace_s=90.0, timeout_s=240)
+    first, other = result.ranks[1], result.ranks[0]
+    assert result.failed_rank == 1 and result.returncode == 128 + 9, report(result)
+    assert "killing myself while step 1 is in flight" in first.output
+    assert not other.ok and not other.stopped_by_launcher, report(result)
+    took = other.exit_s - first.exit_s
+    assert took < 60, f"rank 0 stopped {took:.1f} s after rank 1 died\n{report(result)}"
+    assert "another process died" in other.describe(), report(result, [0])
+    assert "rank 1 failed first" in result.summary()
+    print(f"rank 0 stopped {took:.1f} s after rank 1 was killed")
+
+
+def test_a_process_that_never_arrives_stops_the_others():
+    result = run_processes(SCRIPTS / "join.py", "absent", 1, expect_ok=False,
+                           initialization_timeout_s=5, timeout_s=120)
+    assert result.ranks[1].ok and "not joining" in result.output(1)
+    assert result.failed_rank == 0 and not result.ranks[0].stopped_by_launcher, report(result)
+    assert "gave up waiting for every process to join" in result.ranks[0].describe()
+    assert result.ranks[0].exit_s < 60
+
+
+# ---- the launcher on its own (no JAX) --------------------------------------------------------
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+RANK = "import os, sys, time; rank = int(os.environ['AUTOPAR_PROCESS_ID'])\n"
+
+
+def test_launch_prefixes_output_and_names_the_failed_rank():
+    lines = []
+
+    class Sink:
+        def write(self, text):
+            lines.append(text)
+
+        def flush(self):
+            pass
+
+    code = RANK + ("print('hello from', rank, os.environ['AUTOPAR_NUM_PROCESSES'])\n"
+                   "sys.exit(3 if rank == 1 else 0)")
+    result = launch(_python(code), 3, timeout_s=60, echo=Sink())
+    assert result.returncode == 3 and result.failed_rank == 1
+    assert [r.returncode for r in result.ranks] == [0, 3, 0]
+    assert sorted(lines) == [f"[rank {k}] hello from {k} 3\n" for k in range(3)]
+    assert "rank 1 failed first" in result.summary()
+    assert "rank 1: exit status 3" in result.summary()
+
+
+def test_launch_gives_each_process_its_own_ports_and_devices():
+    code = RANK + ("print(os.environ['AUTOPAR_COORDINATOR_ADDRESS'], "
+                   "os.environ['AUTOPAR_TRANSFER_ADDRESS'], os.environ['JAX_PLATFORMS'], "
+                   "os.environ['AUTOPAR_DEVICES_PER_PROCESS'])")
+    result = launch(_python(code), 3, devices_per_process=2, timeout_s=60)
+    rows = [r.output.split() for r in result.ranks]
+    assert result.returncode == 0
+    assert len({row[0] for row in rows}) == 1
+    assert len({row[1] for row in rows}) == 3 and rows[0][0] not in {row[1] for row in rows}
+    assert {(row[2], row[3]) for row in rows} == {("cpu", "2")}
+
+
+def test_launch_stops_everything_at_the_timeout():
+    result = launch(_python("import time; time.sleep(600)"), 2, timeout_s=2, grace_s=1)
+    assert result.timed_out and result.returncode == 124
+    assert all(r.stopped_by_launcher for r in result.ranks)
+    assert result.wall_s < 30
+    assert "timed out after" in result.summary()
+
+
+def test_launch_stops_the_others_after_the_grace_period():
+    result = launch(_python(RANK + "sys.exit(5) if rank == 0 else time.sleep(600)"), 2,
+                    timeout_s=120, grace_s=1)
+    assert result.returncode == 5 and result.failed_rank == 0
+    assert result.ranks[1].stopped_by_launcher and not result.ranks[0].stopped_by_launcher
+    assert result.wall_s < 60
+
+
+def test_cli_launch(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text(RANK + "print('hi', rank, sys.argv[1:])\nsys.exit(2 if rank == 1 else 0)\n")
+    run = subprocess.run([sys.executable, "-m", "autopar", "launch", "-n", "2", "--timeout",
+                          "60", str(script), "--flag", "x"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2
+    assert "[rank 0] hi 0 ['--flag', 'x']" in run.stdout
+    assert "rank 1 failed first" in run.stderr
+
+
+def test_readme_multiple_hosts_script_runs(tmp_path):
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"## Multiple hosts\n.*?```python\n(.*?)```", text, re.S).group(1)
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    result = run_processes(script, timeout_s=240)
+    assert re.search(r"^loss \d", result.output(0), re.M), report(result, [0])
+
+
+def test_demo_on_two_processes(capsys):
+    from autopar import demo
+
+    status = demo.run_processes(2, 2, quiet=True, timeout_s=300, time_limit_s=2.0)
+    out = capsys.readouterr()
+    assert status == 0, out.out[-3000:] + out.err[-3000:]
+    assert "[rank 0] losses match" in out.out
+    assert "2 processes x 4 emulated CPU devices" in out.out
+
+
+def test_launch_help():
+    run = subprocess.run([sys.executable, "-m", "autopar", "launch", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "--devices-per-process" in run.stdout, run.stderr
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_processes_die_with_a_killed_launcher(tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-m", "autopar", "launch", "-n", "2",
+                                 "--devices-per-process", "1", "--timeout", "120",
+                                 str(SCRIPTS / "join.py"), "wait", str(tmp_path)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+        assert len(pids) == 2
+    finally:
+        launcher.kill()  # SIGKILL: the launcher cannot clean up
+        launcher.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_running(p) for p in pids)
