@@ -23,6 +23,7 @@ arrives makes the others stop after the initialization timeout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -212,11 +213,12 @@ def one_plan(fp: str, devices: Sequence[jax.Device] | None, search: Callable[[],
     """The plan every process runs.
 
     One process (or offline): `check(fixed)` when a plan is given, else `search()`.
-    Several: a given plan is checked by each process; otherwise process 0 searches and
-    publishes its plan, which the others check (`check` raises for a plan that does not fit
-    the program, e.g. `FingerprintError`).  Then every process publishes the fingerprint and
-    plan hash it will run and compares them with everyone's; any difference or error raises
-    `PlanError` in every process, before the first step.
+    Several: process 0 publishes its plan (given, or searched), which the processes without
+    a given plan take; every process checks the plan it holds against its own trace (`check`
+    raises for a plan that does not fit the program, e.g. `FingerprintError`).  Then every
+    process publishes the fingerprint and plan hash it will run and compares them with
+    everyone's; any difference or error raises `PlanError` in every process, before the
+    first step.
     """
     if not spans_processes(devices):
         return check(fixed) if fixed is not None else search()
@@ -224,15 +226,15 @@ def one_plan(fp: str, devices: Sequence[jax.Device] | None, search: Callable[[],
     rank, count = jax.process_index(), jax.process_count()
     store = _Store()
     try:
-        if fixed is not None:
-            plan = fixed
-        elif rank == 0:
+        if rank == 0:
             try:
-                plan = search()
+                plan = fixed if fixed is not None else search()
             except BaseException as err:
                 store.put(f"{key}/plan", {"error": f"{type(err).__name__}: {err}"})
                 raise
             store.put(f"{key}/plan", {"plan": plan.to_json()})
+        elif fixed is not None:
+            plan = fixed
         else:
             sent = store.get(f"{key}/plan", _plan_timeout_s(),
                              "process 0's plan (process 0 searches it)")
@@ -247,7 +249,10 @@ def one_plan(fp: str, devices: Sequence[jax.Device] | None, search: Callable[[],
                 f"autopar.distributed.global_batch)")
         plan = check(plan)
     except Exception as err:
-        store.put(f"{key}/ack/{rank}", {"error": f"{type(err).__name__}: {err}"})
+        # Tell the others why, so that they stop at once with this reason (best effort: the
+        # error raised here is the one that matters).
+        with contextlib.suppress(Exception):
+            store.put(f"{key}/ack/{rank}", {"error": f"{type(err).__name__}: {err}"})
         raise
     mine = {"fingerprint": fp, "plan": plan_hash(plan)}
     store.put(f"{key}/ack/{rank}", mine)
@@ -383,14 +388,16 @@ def input_shardings(step, *args) -> tuple:
 
 def gather(tree: Any) -> Any:
     """Every leaf as a full numpy array on every process (for checks and logging: it copies
-    the whole pytree to every host).  Every process must call it.  One program replicates
-    all the leaves that this process does not hold whole."""
+    the whole pytree to every host).  Every process must call it.  One program per mesh
+    replicates the leaves that this process does not hold whole."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    todo = [k for k, x in enumerate(leaves)
-            if isinstance(x, jax.Array) and not x.is_fully_addressable]
-    if todo:
-        shardings = [_replicated(leaves[k]) for k in todo]
-        copies = jax.jit(lambda *xs: xs, out_shardings=tuple(shardings))(
+    by_mesh: dict[Any, list[int]] = {}
+    for k, x in enumerate(leaves):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            by_mesh.setdefault(_replicated(x).mesh, []).append(k)
+    for mesh, todo in by_mesh.items():
+        whole = NamedSharding(mesh, PartitionSpec())
+        copies = jax.jit(lambda *xs: xs, out_shardings=(whole,) * len(todo))(
             *[leaves[k] for k in todo])
         for k, x in zip(todo, copies):
             leaves[k] = x

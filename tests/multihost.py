@@ -9,21 +9,37 @@ Every run is bounded by a hard wall-clock timeout (the launcher kills every proc
 strikes) and uses free ports, so tests can run side by side.  A run that does not exit 0
 fails the test with the launcher's summary and the last lines of every rank, unless
 `expect_ok=False` (then the caller inspects the `LaunchResult`).
+
+`multihost_scripts/train.py` trains a test model (tests/models.py) for 3 AdamW steps and
+writes what it ran; `assert_equals_reference` compares it with the single-device `jax.jit`
+step (micro-batched like the plan when `micro` > 1), `assert_one_plan_across` checks that
+every process ran the same plan on devices of every process.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import pathlib
 from collections.abc import Sequence
 
+import jax
+import numpy as np
 import pytest
 
 from autopar.launch import LaunchResult, launch, python_command
 
+import models
+from helpers import micro_batch_value_and_grad, run_steps
+
 SCRIPTS = pathlib.Path(__file__).parent / "multihost_scripts"
 ROOT = pathlib.Path(__file__).parents[1]
 TAIL_LINES = 30
+STEPS = 3  # train.py's default
+BATCH = 16  # every test case's batch
+# AdamW with eps 1e-4, as in test_equivalence.py: reduction order differs between programs.
+TOL = dict(rtol=1e-3, atol=1e-4)
 
 
 def run_processes(script: str | os.PathLike, *args, processes: int = 2,
@@ -48,3 +64,50 @@ def report(result: LaunchResult, ranks: Sequence[int] | None = None) -> str:
         parts.append(f"--- rank {r.rank}, last {TAIL_LINES} lines:")
         parts.extend(lines[-TAIL_LINES:])
     return "\n".join(parts)
+
+
+@functools.cache
+def reference(name: str, micro: int = 1) -> tuple[list[float], list[np.ndarray]]:
+    """Losses and final state leaves of STEPS AdamW steps of the single-device jax.jit step
+    of test case `name`; with `micro` > 1, the step that averages over the same `micro`
+    micro-batches (what pipeline and micro-batched plans compute)."""
+    case = models.make_case(name, "adamw")
+    state, _ = case.init()
+    batches = [case.batch_for_step(i) for i in range(STEPS)]
+    saved = models.GRAD.value_and_grad
+    if micro > 1:
+        models.GRAD.value_and_grad = micro_batch_value_and_grad(micro)
+    try:
+        final, losses = run_steps(jax.jit(case.step), state, batches)
+    finally:
+        models.GRAD.value_and_grad = saved
+    return losses, [np.asarray(x) for x in jax.tree.leaves(final)]
+
+
+def ranks_json(out: pathlib.Path, processes: int) -> list[dict]:
+    """What each rank of train.py wrote: fingerprint, plan hash, method, mesh_shape, losses,
+    rows (per batch leaf, the [start, stop) it passed), local_devices, stage_processes."""
+    return [json.loads((out / f"rank{k}.json").read_text()) for k in range(processes)]
+
+
+def assert_equals_reference(name: str, out: pathlib.Path, micro: int = 1) -> None:
+    """train.py's losses and final state (OUT/result.npz) equal `reference(name, micro)`."""
+    ref_losses, ref_leaves = reference(name, micro)
+    result = np.load(out / "result.npz", allow_pickle=False)
+    np.testing.assert_allclose(result["losses"], ref_losses, **TOL)
+    assert len([k for k in result.files if k.startswith("leaf")]) == len(ref_leaves)
+    for k, ref in enumerate(ref_leaves):
+        np.testing.assert_allclose(result[f"leaf{k}"], ref, err_msg=f"state leaf {k}", **TOL)
+
+
+def assert_one_plan_across(infos: list[dict], processes: int, devices_per_process: int):
+    """Every rank ran the same plan over every device, each rank on its own devices, and
+    each passed its own block of rows of the batch (or all of them)."""
+    assert len({(i["fingerprint"], i["plan"]) for i in infos}) == 1, infos
+    total = processes * devices_per_process
+    assert all(np.prod(i["mesh_shape"]) == total or i["stage_processes"] for i in infos)
+    assert len({tuple(i["local_devices"]) for i in infos}) == processes
+    block = BATCH // processes
+    for k, info in enumerate(infos):
+        for start, stop in jax.tree.leaves(info["rows"], is_leaf=lambda x: isinstance(x, list)):
+            assert (start, stop) in ((k * block, (k + 1) * block), (0, BATCH)), (k, info["rows"])

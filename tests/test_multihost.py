@@ -4,69 +4,34 @@ single-device `jax.jit` step; one plan everywhere; a dead or missing process sto
 others with a clear error in bounded time; the launcher itself.
 
 Every run has a hard wall-clock timeout (the launcher kills all its processes when it
-strikes).  Tolerances: AdamW (eps 1e-4) at rtol 1e-3 / atol 1e-4, as in
-test_equivalence.py: reduction order differs between the programs.
+strikes).  Tolerances (tests/multihost.py): AdamW (eps 1e-4) at rtol 1e-3 / atol 1e-4, as
+in test_equivalence.py: reduction order differs between the programs.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import re
 import subprocess
 import sys
 import textwrap
 import time
 
-import jax
-import numpy as np
 import pytest
 
 from autopar.launch import launch
 
-from helpers import run_steps
-from models import make_case
-from multihost import ROOT, SCRIPTS, report, run_processes
+from multihost import (
+    ROOT,
+    SCRIPTS,
+    assert_equals_reference,
+    assert_one_plan_across,
+    ranks_json,
+    report,
+    run_processes,
+)
 
-TOL = dict(rtol=1e-3, atol=1e-4)
-STEPS = 3
 # The GPT's ILPs get 2 s per mesh shape (the same plan as the default limit, 10x sooner).
 TIME_LIMIT = "2"
-
-
-@functools.cache
-def reference(name: str) -> tuple[list[float], list[np.ndarray]]:
-    """Losses and final state leaves of STEPS AdamW steps of the single-device jax.jit step."""
-    case = make_case(name, "adamw")
-    state, _ = case.init()
-    batches = [case.batch_for_step(i) for i in range(STEPS)]
-    final, losses = run_steps(jax.jit(case.step), state, batches)
-    return losses, [np.asarray(x) for x in jax.tree.leaves(final)]
-
-
-def ranks_json(out, processes: int) -> list[dict]:
-    return [json.loads((out / f"rank{k}.json").read_text()) for k in range(processes)]
-
-
-def assert_equals_reference(name: str, out) -> None:
-    ref_losses, ref_leaves = reference(name)
-    result = np.load(out / "result.npz", allow_pickle=False)
-    np.testing.assert_allclose(result["losses"], ref_losses, **TOL)
-    assert len([k for k in result.files if k.startswith("leaf")]) == len(ref_leaves)
-    for k, ref in enumerate(ref_leaves):
-        np.testing.assert_allclose(result[f"leaf{k}"], ref, err_msg=f"state leaf {k}", **TOL)
-
-
-def assert_one_plan_across(infos: list[dict], processes: int, devices_per_process: int):
-    """Every rank ran the same plan, on a mesh of every device; each passed its own rows."""
-    assert len({(i["fingerprint"], i["plan"]) for i in infos}) == 1, infos
-    assert all(np.prod(i["mesh_shape"]) == processes * devices_per_process for i in infos)
-    assert len({tuple(i["local_devices"]) for i in infos}) == processes
-    batch = 16
-    for k, info in enumerate(infos):
-        for start, stop in jax.tree.leaves(info["rows"], is_leaf=lambda x: isinstance(x, list)):
-            block = batch // processes
-            assert (start, stop) in ((k * block, (k + 1) * block), (0, batch)), (k, info["rows"])
 
 
 @pytest.mark.parametrize("name", ["gpt", "convbn"])
@@ -84,14 +49,15 @@ def test_shard_parallel_on_four_processes_of_two_devices(tmp_path):
 
 
 def test_one_plan_when_the_searches_would_differ(tmp_path):
-    # Rank 0 asks for ShardParallel with a 0.1 s ILP limit, rank 1 for ZeRO-3: two
-    # independent searches could not agree; every process runs process 0's plan.
-    run_processes(SCRIPTS / "train.py", "gpt", tmp_path, "--methods", "shard,zero3",
+    # Rank 0 asks for ZeRO-3, rank 1 for ShardParallel, both with a 0.1 s ILP limit: two
+    # independent searches could not agree; every process runs process 0's plan (ZeRO-3:
+    # parameters and optimizer state split over the devices of both processes).
+    run_processes(SCRIPTS / "train.py", "mlp", tmp_path, "--methods", "zero3,shard",
                   "--time-limit", "0.1")
     infos = ranks_json(tmp_path, 2)
-    assert [i["method"] for i in infos] == ["shard", "shard"]
+    assert [i["method"] for i in infos] == ["zero3", "zero3"]
     assert_one_plan_across(infos, 2, 4)
-    assert_equals_reference("gpt", tmp_path)
+    assert_equals_reference("mlp", tmp_path)
 
 
 def test_processes_tracing_different_programs_stop_before_the_first_step(tmp_path):
@@ -213,7 +179,7 @@ def test_readme_multiple_hosts_script_runs(tmp_path):
 def test_demo_on_two_processes(capsys):
     from autopar import demo
 
-    status = demo.run_processes(2, 2, quiet=True, timeout_s=300, time_limit_s=2.0)
+    status = demo.run_processes(2, 2, quiet=True, timeout_s=300, time_limit_s=1.0)
     out = capsys.readouterr()
     assert status == 0, out.out[-3000:] + out.err[-3000:]
     assert "[rank 0] losses match" in out.out
@@ -253,3 +219,59 @@ def test_processes_die_with_a_killed_launcher(tmp_path):
     while any(_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_running(p) for p in pids)
+
+
+# ---- autopar.distributed in one process --------------------------------------------------------
+
+def test_launch_env_round_trips_through_the_environment():
+    from autopar.distributed import LaunchEnv
+
+    env = LaunchEnv("127.0.0.1:1234", 4, 2, 2, "127.0.0.1:5678", 10, 5, 20, 99)
+    assert LaunchEnv.from_env(env.to_env()) == env
+    assert LaunchEnv.from_env({}) is None
+    with pytest.raises(ValueError, match="AUTOPAR_PROCESS_ID"):
+        LaunchEnv.from_env({"AUTOPAR_NUM_PROCESSES": "2"})
+    with pytest.raises(ValueError, match="AUTOPAR_NUM_PROCESSES='two'"):
+        LaunchEnv.from_env({**env.to_env(), "AUTOPAR_NUM_PROCESSES": "two"})
+
+
+def test_global_batch_and_gather_in_one_process():
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    import autopar.distributed as dist
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    sharding = NamedSharding(mesh, PartitionSpec("x"))
+    assert dist.process_rows(sharding, (16, 3)) == slice(0, 16)  # one process holds all rows
+    x = np.arange(48, dtype=np.float32).reshape(16, 3)
+    batch = dist.global_batch({"x": x}, {"x": sharding}, 16)
+    assert batch["x"].sharding == sharding
+    np.testing.assert_array_equal(dist.gather(batch)["x"], x)
+    with pytest.raises(ValueError, match=r"passed 8 rows of batch\['x'\].*rows 0:16"):
+        dist.global_batch({"x": x[:8]}, sharding, 16)
+
+
+def test_input_shardings_give_the_plan_layouts():
+    import jax
+    import jax.numpy as jnp
+
+    import autopar
+    import autopar.distributed as dist
+
+    def step(w, batch):
+        loss, g = autopar.value_and_grad(lambda w: jnp.mean((batch["x"] @ w) ** 2))(w)
+        return w - 0.1 * g, loss
+
+    w = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+    batch = {"x": jax.ShapeDtypeStruct((16, 8), jnp.float32)}
+    par = autopar.parallelize(step, method=autopar.DataParallel())
+    w_sharding, batch_sharding = dist.input_shardings(par, w, batch)
+    plan = par.get_plan(w, batch)
+    assert w_sharding.spec == autopar.emit.to_pspec(plan.in_specs[0])
+    assert batch_sharding["x"].spec[0] is not None  # data parallel: the batch is split
+    pipe = autopar.parallelize(step, method=autopar.PipeshardParallel(num_micro_batches=2,
+                                                                      num_stages=2))
+    with pytest.raises(ValueError, match="pipeline plan"):
+        dist.input_shardings(pipe, w, batch)

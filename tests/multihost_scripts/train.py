@@ -1,11 +1,14 @@
 """One process of a multi-process run (started by `autopar launch`): a test model's train
-step under a single-mesh autopar method, on a mesh spanning every process.
+step under an autopar method (shard, dp, zero2, zero3; pipeshard with --micro-batches and
+--stages), on devices of every process.
 
     python train.py CASE OUT_DIR [--methods shard[,zero3,...]] [--time-limit S]
-                    [--steps 3] [--kill-rank K --kill-step I] [--wrong-batch-rank K]
+                    [--micro-batches 4 --stages 2] [--steps 3] [--kill-rank K --kill-step I]
+                    [--wrong-batch-rank K]
 
-The state is created directly in the plan's shardings (`jax.jit(init, out_shardings=...)`),
-each process passes its own rows of every global batch (`autopar.distributed.global_batch`),
+The state is created directly in the plan's shardings (`jax.jit(init, out_shardings=...)`;
+pipeline plans: replicated over all devices), each process passes its own rows of every
+global batch (`autopar.distributed.global_batch`),
 and `--methods` gives each rank its method (rank k takes entry k mod the list's length: a
 search that differs between processes).  Rank 0 writes OUT_DIR/result.npz (losses and the
 final state gathered) and every rank writes OUT_DIR/rank<k>.json (the plan it ran, its rows).
@@ -27,7 +30,30 @@ import autopar
 import autopar.distributed as dist
 
 METHODS = {"shard": autopar.ShardParallel, "dp": autopar.DataParallel,
-           "zero2": autopar.Zero2Parallel, "zero3": autopar.Zero3Parallel}
+           "zero2": autopar.Zero2Parallel, "zero3": autopar.Zero3Parallel,
+           "pipeshard": autopar.PipeshardParallel}
+
+
+def make_method(name: str, args):
+    options = {} if args.time_limit is None else {"time_limit_s": args.time_limit}
+    if name == "pipeshard":
+        options.update(num_micro_batches=args.micro_batches, num_stages=args.stages)
+    return METHODS[name](**options)
+
+
+def shardings(step, plan, state_abs, batch_abs):
+    """(state sharding, batch sharding) pytrees: the plan's for single-mesh plans.  For
+    pipeline plans, whose stages place their own inputs, every argument is a global array
+    over all devices: the state replicated, the batch split by rows (dim 0)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    if not plan.stages:
+        return dist.input_shardings(step, state_abs, batch_abs)
+    mesh = Mesh(np.array(jax.devices()), ("all",))
+    return (jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), state_abs),
+            jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec("all")), batch_abs))
 
 
 def main() -> int:
@@ -36,6 +62,8 @@ def main() -> int:
     parser.add_argument("out", type=pathlib.Path)
     parser.add_argument("--methods", default="shard")
     parser.add_argument("--time-limit", type=float, default=None)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--kill-rank", type=int, default=None)
     parser.add_argument("--kill-step", type=int, default=1)
@@ -52,8 +80,7 @@ def main() -> int:
 
     rank = jax.process_index()
     names = args.methods.split(",")
-    options = {} if args.time_limit is None else {"time_limit_s": args.time_limit}
-    method = METHODS[names[rank % len(names)]](**options)
+    method = make_method(names[rank % len(names)], args)
     case = make_case(args.case, "adamw")
     step = autopar.parallelize(case.step, method=method, batch_argnums=(1,))
 
@@ -66,7 +93,7 @@ def main() -> int:
     print(f"started in {time.perf_counter() - t0:.1f} s", flush=True)
     plan = step.get_plan(state_abs, batch_abs)
     print(f"planned at {time.perf_counter() - t0:.1f} s", flush=True)
-    state_sharding, batch_sharding = dist.input_shardings(step, state_abs, batch_abs)
+    state_sharding, batch_sharding = shardings(step, plan, state_abs, batch_abs)
     state = jax.jit(lambda: case.init()[0], out_shardings=state_sharding)()
     batch_size = jax.tree.leaves(first)[0].shape[0]
     jax.block_until_ready(state)
@@ -92,7 +119,10 @@ def main() -> int:
         json.dump({"fingerprint": plan.fingerprint, "plan": dist.plan_hash(plan),
                    "method": plan.method, "mesh_shape": list(plan.mesh_shape),
                    "losses": losses, "rows": rows,
-                   "local_devices": [d.id for d in jax.local_devices()]}, f)
+                   "local_devices": [d.id for d in jax.local_devices()],
+                   "stage_processes": [sorted({d.process_index for d in jax.devices()
+                                               if d.id in st.device_ids})
+                                       for st in plan.stages]}, f)
     final = dist.gather(state)  # every process takes part; rank 0 writes
     if rank == 0:
         leaves = {f"leaf{k}": x for k, x in enumerate(jax.tree.leaves(final))}
