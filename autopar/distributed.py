@@ -141,6 +141,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       initialization_timeout_s: how long process start-up waits for every process.
       heartbeat_timeout_s: a process silent this long is declared dead and the others stop.
       shutdown_timeout_s: how long a finishing process waits for the others at exit.
+
+    An uncaught exception then ends the process at once (exit status 1, after its
+    traceback), so that the others stop within the heartbeat timeout rather than after the
+    shutdown timeout.
     """
     env = LaunchEnv.from_env()
     if env is not None:
@@ -175,6 +179,24 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                initialization_timeout=initialization_timeout_s,
                                heartbeat_timeout_seconds=heartbeat_timeout_s,
                                shutdown_timeout_seconds=shutdown_timeout_s)
+    _exit_at_once_on_errors()
+
+
+def _exit_at_once_on_errors() -> None:
+    """An uncaught exception ends the process at once (status 1, after the traceback):
+    at a normal exit, JAX's shutdown waits up to the shutdown timeout for processes that
+    are stuck waiting for this one; exiting at once lets them stop within the heartbeat
+    timeout instead."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        previous(kind, value, traceback)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
+
+    sys.excepthook = hook
 
 
 def _die_with(parent_pid: int) -> None:

@@ -90,6 +90,19 @@ def test_a_killed_process_stops_the_others(tmp_path):
     print(f"rank 0 stopped {took:.1f} s after rank 1 was killed")
 
 
+def test_an_exception_in_one_process_stops_the_others():
+    # Without autopar's exit at once, rank 1 would wait at JAX's shutdown barrier for rank 0,
+    # stuck in a sum that needs rank 1: both would hang until the shutdown timeout.
+    result = run_processes(SCRIPTS / "join.py", "raise", 1, devices_per_process=2,
+                           expect_ok=False, grace_s=90.0, timeout_s=180)
+    assert result.failed_rank == 1 and result.returncode == 1, report(result)
+    assert "RuntimeError: rank 1: a bug in the user's script" in result.output(1)
+    other = result.ranks[0]
+    assert not other.ok and not other.stopped_by_launcher, report(result)
+    assert other.exit_s - result.ranks[1].exit_s < 30, report(result)
+    assert "another process died" in other.describe(), report(result, [0])
+
+
 def test_a_process_that_never_arrives_stops_the_others():
     result = run_processes(SCRIPTS / "join.py", "absent", 1, expect_ok=False,
                            initialization_timeout_s=5, timeout_s=120)
