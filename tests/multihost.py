@@ -86,7 +86,9 @@ def reference(name: str, micro: int = 1) -> tuple[list[float], list[np.ndarray]]
 
 def ranks_json(out: pathlib.Path, processes: int) -> list[dict]:
     """What each rank of train.py wrote: fingerprint, plan hash, method, mesh_shape, losses,
-    rows (per batch leaf, the [start, stop) it passed), local_devices, stage_processes."""
+    rows (per batch leaf, the [start, stop) it passed), local_devices, split_state_leaves
+    (final state leaves of which it holds only a part), stage_processes (per stage, the
+    processes of its devices)."""
     return [json.loads((out / f"rank{k}.json").read_text()) for k in range(processes)]
 
 

@@ -11,6 +11,7 @@ in test_equivalence.py: reduction order differs between the programs.
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -56,6 +57,7 @@ def test_one_plan_when_the_searches_would_differ(tmp_path):
                   "--time-limit", "0.1")
     infos = ranks_json(tmp_path, 2)
     assert [i["method"] for i in infos] == ["zero3", "zero3"]
+    assert all(i["split_state_leaves"] > 0 for i in infos)  # created and kept sharded
     assert_one_plan_across(infos, 2, 4)
     assert_equals_reference("mlp", tmp_path)
 
@@ -213,25 +215,44 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
-def test_processes_die_with_a_killed_launcher(tmp_path):
+def _start_waiting_processes(tmp_path) -> tuple[subprocess.Popen, list[int]]:
+    """`autopar launch` of 2 processes that join and wait; returns it and their pids."""
     launcher = subprocess.Popen([sys.executable, "-m", "autopar", "launch", "-n", "2",
                                  "--devices-per-process", "1", "--timeout", "120",
                                  str(SCRIPTS / "join.py"), "wait", str(tmp_path)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
-        assert len(pids) == 2
-    finally:
-        launcher.kill()  # SIGKILL: the launcher cannot clean up
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    if len(pids) != 2:
+        launcher.kill()
         launcher.wait(timeout=30)
-    deadline = time.monotonic() + 30
+        pytest.fail(f"the processes did not start: {pids}")
+    return launcher, pids
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
     while any(_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_running(p) for p in pids)
+    return not any(_running(p) for p in pids)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_processes_die_with_a_killed_launcher(tmp_path):
+    launcher, pids = _start_waiting_processes(tmp_path)
+    launcher.kill()  # SIGKILL: the launcher cannot clean up
+    launcher.wait(timeout=30)
+    assert _wait_gone(pids)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_an_interrupted_launcher_stops_its_processes(tmp_path):
+    launcher, pids = _start_waiting_processes(tmp_path)
+    launcher.send_signal(signal.SIGINT)  # Ctrl-C
+    assert launcher.wait(timeout=60) == 130
+    assert _wait_gone(pids, timeout_s=5.0)
 
 
 # ---- autopar.distributed in one process --------------------------------------------------------

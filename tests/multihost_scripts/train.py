@@ -120,6 +120,10 @@ def main() -> int:
                    "method": plan.method, "mesh_shape": list(plan.mesh_shape),
                    "losses": losses, "rows": rows,
                    "local_devices": [d.id for d in jax.local_devices()],
+                   # state leaves of which this process holds only a part (kept sharded)
+                   "split_state_leaves": sum(
+                       x.addressable_shards[0].data.shape != x.shape
+                       for x in jax.tree.leaves(state)),
                    "stage_processes": [sorted({d.process_index for d in jax.devices()
                                                if d.id in st.device_ids})
                                        for st in plan.stages]}, f)
