@@ -3,6 +3,7 @@
 from autopar.cost_model import ClusterSpec
 from autopar.passes.intra_op import MemoryBudgetError
 
+from . import distributed
 from .api import FingerprintError, ParallelizedFunction, Traced, parallelize, place, plan
 from .checkpoint import CheckpointMismatchError, Checkpoints
 from .markers import grad, mark_pipeline_boundary, value_and_grad
@@ -45,5 +46,6 @@ __all__ = [
     "parallelize",
     "place",
     "plan",
+    "distributed",
     "value_and_grad",
 ]

@@ -15,7 +15,16 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from autopar.cost_model import ClusterSpec
 from autopar.graph import Graph
 
-from . import markers, microbatch, outer, pipeline, pipeline_planner, planner, schedules
+from . import (
+    distributed,
+    markers,
+    microbatch,
+    outer,
+    pipeline,
+    pipeline_planner,
+    planner,
+    schedules,
+)
 from .emit import build_mesh, emit, to_pspec
 from .methods import Method, ShardParallel
 from .plan import Plan, PlanError, verify_plan
@@ -259,6 +268,7 @@ class ParallelizedFunction:
         if self.offline:
             cluster = _resolve_cluster(self._cluster, None)
             device_ids = list(range(cluster.num_devices))
+            devices = None
         else:
             devices = self._devices()
             cluster = _resolve_cluster(self._cluster, devices)
@@ -274,29 +284,34 @@ class ParallelizedFunction:
         split = pipeline.split(traced.micro, set(traced.batch_positions)) if pipelined else None
         fp = planner.fingerprint(program.graph, cluster, extra=(
             f"micro_batches={micro} full_batch={program.batch_size}" if pipelined else ""))
-        if fixed is not None:
-            if fixed.fingerprint != fp:
+
+        def check(candidate: Plan) -> Plan:
+            if candidate.fingerprint != fp:
                 raise FingerprintError(
-                    f"plan fingerprint {fixed.fingerprint} does not match this program "
+                    f"plan fingerprint {candidate.fingerprint} does not match this program "
                     f"({fp}) on cluster {cluster.name}: the plan was made for another program, "
                     f"input shapes or cluster; re-run the search (get_plan / `autopar plan`)")
             value_shapes = {v.id: v.shape for v in program.graph.values
                             if v.producer is not None}
             stage_shapes = ({v.id: v.shape for v in split.forward_graph().values}
                             if split is not None else None)
-            verify_plan(fixed, program.in_shapes, program.out_shapes, value_shapes,
+            verify_plan(candidate, program.in_shapes, program.out_shapes, value_shapes,
                         max(device_ids) + 1, stage_value_shapes=stage_shapes)
-            plan = fixed
-        elif pipelined:
-            plan = pipeline_planner.search(
-                split, self.method, cluster, device_ids, fp=fp,
-                input_names=program.input_names, in_shapes=program.in_shapes,
-                out_shapes=program.out_shapes, batch_size=_micro_size(program, micro),
-                progress=self.progress,
-                state_bytes_per_param_byte=_state_per_param_byte(program))
-        else:
-            plan = planner.search(program, self.method, cluster, device_ids, fp=fp,
+            return candidate
+
+        def search() -> Plan:
+            if pipelined:
+                return pipeline_planner.search(
+                    split, self.method, cluster, device_ids, fp=fp,
+                    input_names=program.input_names, in_shapes=program.in_shapes,
+                    out_shapes=program.out_shapes, batch_size=_micro_size(program, micro),
+                    progress=self.progress,
+                    state_bytes_per_param_byte=_state_per_param_byte(program))
+            return planner.search(program, self.method, cluster, device_ids, fp=fp,
                                   progress=self.progress)
+
+        # Across processes, process 0 searches and every process runs its plan.
+        plan = distributed.one_plan(fp, devices, search, check, fixed)
         return Traced(program, plan, split, traced.out_tree, in_tree, traced.args_info,
                       _trace=traced, _positions=positions, _trace_static=static, _step=self)
 
