@@ -16,7 +16,17 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from autopar.cost_model import ClusterSpec
 from autopar.graph import Graph
 
-from . import markers, microbatch, pipeline, pipeline_planner, plan_cache, planner, schedules
+from . import (
+    distributed,
+    markers,
+    microbatch,
+    outer,
+    pipeline,
+    pipeline_planner,
+    plan_cache,
+    planner,
+    schedules,
+)
 from .emit import build_mesh, emit, to_pspec
 from .methods import Method, ShardParallel
 from .plan import Plan, PlanError, verify_plan
@@ -64,6 +74,7 @@ class Traced:
     _trace_static: tuple = dataclasses.field(repr=False)
     _step: ParallelizedFunction = dataclasses.field(repr=False)
     _executable: Any = dataclasses.field(default=None, repr=False)
+    _layouts: dict[str, list] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def graph(self) -> Graph:
@@ -84,16 +95,36 @@ class Traced:
         whose `.compile()` gives every compiled program of the step."""
         return self.executable.lower(*self.args_info)
 
+    def input_shardings(self) -> tuple:
+        """The `jax.sharding.Sharding` the program expects for every leaf of every dynamic
+        argument (static arguments excluded): a tuple with one pytree per argument, in
+        argument order.  Arguments laid out so (`autopar.place`, or a checkpoint restored
+        into them) reach the program without a reshard."""
+        return tuple(jax.tree_util.tree_unflatten(self.in_tree, self._shardings("in")))
+
+    def output_shardings(self) -> Any:
+        """The `jax.sharding.Sharding` of every leaf the step returns (a pytree like the
+        output) when its arguments are laid out as `input_shardings()`."""
+        return jax.tree_util.tree_unflatten(self.out_tree, self._shardings("out"))
+
+    def _shardings(self, side: Literal["in", "out"]) -> list[jax.sharding.Sharding]:
+        """Flattened input ("in") or output ("out") shardings, computed once."""
+        if side not in self._layouts:
+            if self.plan.stages:   # the pipeline runtime decides where values live
+                runtime = self.executable
+                self._layouts[side] = (runtime.input_shardings() if side == "in"
+                                       else runtime.output_shardings())
+            else:
+                mesh = build_mesh(self.plan, self._step._devices())
+                specs = self.plan.in_specs if side == "in" else self.plan.out_specs
+                self._layouts[side] = [NamedSharding(mesh, to_pspec(s)) for s in specs]
+        return self._layouts[side]
+
     def donated_leaves(self) -> list[int]:
         """Flattened input positions the step donates (see `parallelize(donate_argnums=)`)."""
         donated = set(self._step._donated_args(self))
         return [k for k, p in enumerate(_leaf_positions(self.in_tree, self._positions))
                 if p in donated]
-
-    def input_shardings_flat(self) -> list:
-        """The sharding the compiled single-mesh step takes each flattened input in."""
-        mesh = build_mesh(self.plan, self._step._devices())
-        return [NamedSharding(mesh, to_pspec(s)) for s in self.plan.in_specs]
 
     def fast_call(self) -> Callable:
         """`step(*args)` for these argument shapes as one `jax.jit` (its C++ dispatch is the
@@ -111,7 +142,7 @@ class Traced:
                 raise _OtherShapes()
             return jax.tree_util.tree_unflatten(self.out_tree, flat(*leaves))
 
-        shardings = jax.tree_util.tree_unflatten(self.in_tree, self.input_shardings_flat())
+        shardings = jax.tree_util.tree_unflatten(self.in_tree, self._shardings("in"))
         in_shardings = [None] * (len(self._positions) + len(static))
         for pos, sh in zip(self._positions, shardings):
             in_shardings[pos] = sh
@@ -166,7 +197,9 @@ class ParallelizedFunction:
             out = traced.executable(*leaves)
             return jax.tree_util.tree_unflatten(traced.out_tree, out)
         executable = traced.executable
-        leaves = [_placed(x, sh) for x, sh in zip(leaves, traced.input_shardings_flat())]
+        donated = set(traced.donated_leaves())
+        leaves = [outer.place(x, sh, private=k in donated)
+                  for k, (x, sh) in enumerate(zip(leaves, traced._shardings("in")))]
         out = executable(*leaves)
         self._fast = traced.fast_call()
         return jax.tree_util.tree_unflatten(traced.out_tree, out)
@@ -184,6 +217,15 @@ class ParallelizedFunction:
     def lower(self, *args):
         """`self.trace(*args).lower()`: JAX's lowered program(s) for these arguments."""
         return self.trace(*args).lower()
+
+    def input_shardings(self, *args) -> tuple:
+        """`self.trace(*args).input_shardings()`: the sharding of every dynamic argument
+        leaf the program expects (arguments may be `jax.ShapeDtypeStruct`s)."""
+        return self.trace(*args).input_shardings()
+
+    def output_shardings(self, *args) -> Any:
+        """`self.trace(*args).output_shardings()`: the sharding of every output leaf."""
+        return self.trace(*args).output_shardings()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -228,6 +270,7 @@ class ParallelizedFunction:
         if self.offline:
             cluster = _resolve_cluster(self._cluster, None)
             device_ids = list(range(cluster.num_devices))
+            devices = None
         else:
             devices = self._devices()
             cluster = _resolve_cluster(self._cluster, devices)
@@ -243,16 +286,22 @@ class ParallelizedFunction:
         traced, split, fp = self._trace_for(dynamic, static, positions, in_tree, micro,
                                             pipelined, cluster)
         program = traced.program
-        if fixed is not None:
-            if fixed.fingerprint != fp:
+
+        def check(candidate: Plan) -> Plan:
+            if candidate.fingerprint != fp:
                 raise FingerprintError(
-                    f"plan fingerprint {fixed.fingerprint} does not match this program "
+                    f"plan fingerprint {candidate.fingerprint} does not match this program "
                     f"({fp}) on cluster {cluster.name}: the plan was made for another program, "
                     f"input shapes or cluster; re-run the search (get_plan / `autopar plan`)")
-            _verify(fixed, program, split, device_ids)
-            plan = fixed
-        else:
-            plan = self._search_cached(self.method, traced, split, fp, cluster, device_ids)
+            _verify(candidate, program, split, device_ids)
+            return candidate
+
+        def search() -> Plan:
+            return self._search_cached(self.method, traced, split, fp, cluster, device_ids)
+
+        # Across processes, process 0 searches (or reads its cache) and every process runs
+        # its plan.
+        plan = distributed.one_plan(fp, devices, search, check, fixed)
         return Traced(program, plan, split, traced.out_tree, in_tree, traced.args_info,
                       _trace=traced, _positions=positions, _trace_static=static, _step=self)
 
@@ -376,14 +425,6 @@ def _pipeline_runtime(traced: Traced, devices, donate: Sequence[int]) -> Pipelin
 
 class _OtherShapes(Exception):
     """Raised while the fast path traces arguments another plan is for."""
-
-
-def _placed(x: Any, sharding) -> Any:
-    """`x` laid out as `sharding`: itself when it already is, else a copy that shares no
-    buffer with `x` (the step may donate it; the caller's array must stay valid)."""
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x
-    return jax.device_put(x, sharding, may_alias=False)
 
 
 def _is_weak(x: Any) -> bool:
@@ -560,6 +601,25 @@ def parallelize(fun: Callable | None = None, *, method: Method | None = None,
                                     plan=plan, devices=devices, cluster=cluster)
 
     return wrap(fun) if fun is not None else wrap
+
+
+def place(step: ParallelizedFunction, *args) -> tuple:
+    """`args` laid out as `step`'s program expects them (`step.input_shardings(*args)`):
+    every leaf of every dynamic argument moved by one `jax.device_put` (device to device
+    for arrays already on devices: no host gather); static arguments returned as given.
+    A step called on the placed arguments moves nothing before it runs.
+
+    Example: `state, batch = autopar.place(step, init_state(), batch)`.
+    """
+    traced = step.trace(*args)
+    dynamic, _, positions = step._split(args)
+    leaves = jax.tree_util.tree_leaves(dynamic)
+    shardings = traced._shardings("in")
+    placed = jax.tree_util.tree_unflatten(traced.in_tree, jax.device_put(leaves, shardings))
+    out = list(args)
+    for pos, value in zip(positions, placed):
+        out[pos] = value
+    return tuple(out)
 
 
 def plan(train_step: Callable, *abstract_args, cluster: ClusterSpec | str,

@@ -189,16 +189,21 @@ def _segment_fn(closed: jcore.ClosedJaxpr, seg: Segment) -> Callable:
     return fn
 
 
-def place(x: Any, sharding: Sharding) -> Any:
-    """`x` laid out as `sharding`: itself when it already is, else a copy sharing no buffer
-    with `x` (a segment may donate it; the caller's array must stay valid)."""
+def place(x: Any, sharding: Sharding, private: bool = False) -> Any:
+    """`x` laid out as `sharding`: itself when it already is, else moved there.  With
+    `private` the moved array shares no buffer with `x` (it is about to be donated, and the
+    caller's array must stay valid: `jax.device_put` may reuse x's buffer for a shard on
+    x's own device)."""
     if isinstance(x, jax.Array) and x.sharding == sharding:
         return x
-    return jax.device_put(x, sharding, may_alias=False)
+    if private and isinstance(x, jax.Array):
+        x = x.copy()
+    return jax.device_put(x, sharding)
 
 
 def run(segments: Sequence[Segment], env: dict[Any, Any]) -> None:
     """Runs `segments` in order on the values of `env` (extended with their outputs)."""
     for seg in segments:
-        args = [place(env[v], sh) for v, sh in zip(seg.inputs, seg.in_shardings)]
+        args = [place(env[v], sh, private=j in seg.donate)
+                for j, (v, sh) in enumerate(zip(seg.inputs, seg.in_shardings))]
         env.update(zip(seg.outputs, seg.fn(*args)))

@@ -71,8 +71,9 @@ class PipelineRuntime:
                      for s, prog in enumerate(programs)]
         loss = graph.outvars[0] if isinstance(graph.outvars[0], int) else None
         static_ids = set(self.f_inputs) - self.batch_vids
+        f_outputs = frozenset(op for op in graph.outvars if isinstance(op, int))
         self.stages = [StageRunner(graph, st, mesh, diff, params, static_ids, receivers[s],
-                                   loss, n, split.remat)
+                                   loss, n, split.remat, f_outputs)
                        for s, (st, mesh) in enumerate(zip(plan.stages, self.meshes))]
         self.owner: dict[int, int] = {}
         for s, st in enumerate(self.stages):
@@ -145,7 +146,6 @@ class PipelineRuntime:
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, split.step.consts))
         env.update(zip(jaxpr.invars, flat_args))
         outer.run(self.pre, env)
-        n = self.num_micro_batches
         full = {vid: (src.val if isinstance(src, jcore.Literal) else env[src])
                 for vid, src in zip(self.f_inputs, self.f_source)}
         static = [tuple(outer.place(full[v], st.input_shardings[v])
@@ -162,7 +162,6 @@ class PipelineRuntime:
         saved: dict[tuple[int, int], tuple[list, list]] = {}
         alive = [0] * len(self.stages)
         self.in_flight_max = [0] * len(self.stages)
-        final = {op for op in graph.outvars if isinstance(op, int)}
         for task in self.order:
             s, m = task.stage, task.micro_batch
             st = self.stages[s]
@@ -185,32 +184,25 @@ class PipelineRuntime:
                     g = outer.place(g, acts[(v, m)].sharding)
                     cts[(v, m)] = g if (v, m) not in cts else cts[(v, m)] + g
                 for v in st.float_outs + st.int_outs:   # consumers' forwards are done
-                    if v not in final:
-                        acts.pop((v, m), None)
-        grads = self._gradients(acc)
+                    acts.pop((v, m), None)
+        grads, means = self._finalize(acc)
         marker = split.marker_eqn
-        values = []
-        for op in graph.outvars:
-            if isinstance(op, Lit):
-                values.append(op.value)
-                continue
-            chunks = [acts[(op, m)] for m in range(n)] if (op, 0) in acts else [full[op]] * n
-            total = chunks[0]
-            for c in chunks[1:]:
-                total = total + c
-            values.append(total / n if is_float(chunks[0].dtype) else chunks[-1])
+        values = [op.value if isinstance(op, Lit) else means[op] if op in means else full[op]
+                  for op in graph.outvars]
         env.update(zip(marker.outvars, values + grads))
         outer.run(self.post, env)
         return [v.val if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
 
-    def _gradients(self, acc: list) -> list[Any]:
-        """Each stage's accumulators reduced once (finalize), a parameter read by several
-        stages summed on its owner, in the marker's order."""
+    def _finalize(self, acc: list) -> tuple[list[Any], dict[int, Any]]:
+        """Each stage's accumulators reduced once (finalize): the gradients in the marker's
+        order (a parameter read by several stages summed on its owner), and F's outputs
+        averaged over the micro-batches, by value id."""
         by_param: dict[int, Any] = {}
+        means: dict[int, Any] = {}
         for st, a in zip(self.stages, acc):
-            if not st.param_ids:
-                continue
-            for v, g in zip(st.param_ids, st.finalize(a)):
+            grads, outs = st.finalize(a)
+            means.update(zip(st.f_out_ids, outs))
+            for v, g in zip(st.param_ids, grads):
                 owner = self.stages[self.owner[v]]
                 if v in by_param:
                     by_param[v] = by_param[v] + outer.place(g, owner.input_shardings[v])
@@ -224,15 +216,22 @@ class PipelineRuntime:
             else:   # not read by any stage: a zero gradient
                 value = self.graph.values[vid]
                 out.append(jax.numpy.zeros(value.shape, value.dtype))
-        return out
+        return out, means
 
     # ---- layouts ----------------------------------------------------------------------------
+
+    def _f_output_sharding(self, vid: int) -> Sharding:
+        return self.stages[self.stage_of_value[vid]].output_sharding(vid)
 
     def _sharding_of(self, var: Any, segments_key: str) -> Sharding:
         """Where the step keeps `var` (a step input or output variable)."""
         layout = self.layouts.get(var)
         if layout is not None:
             return layout[1]
+        marker = self.split.marker_eqn
+        for out, op in zip(marker.outvars, self.graph.outvars):
+            if out is var and isinstance(op, int) and op in self.stage_of_value:
+                return self._f_output_sharding(op)
         for src, vid in zip(self.f_source, self.f_inputs):
             if src is var and vid in self.owner:
                 st = self.stages[self.owner[vid]]

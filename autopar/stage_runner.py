@@ -65,11 +65,13 @@ class StageRunner:
       loss_vid: F id of the loss (seeded with 1/num_micro_batches), if the stage makes it.
       num_micro_batches: micro-batches per step.
       remat: rematerialize every layer in the backward.
+      f_outputs: F's output value ids (loss and aux).
     """
 
     def __init__(self, graph: Graph, plan: StagePlan, mesh: Mesh, diff_values: set[int],
                  params: set[int], static_ids: set[int], ct_receivers: Sequence[int],
-                 loss_vid: int | None, num_micro_batches: int, remat: bool):
+                 loss_vid: int | None, num_micro_batches: int, remat: bool,
+                 f_outputs: frozenset[int] = frozenset()):
         self.graph, self.plan, self.mesh = graph, plan, mesh
         self.program: StageProgram = program_for_range(graph, *plan.eqn_range)
         specs = dict(plan.input_specs)
@@ -96,14 +98,20 @@ class StageRunner:
         micro = set(self.micro_ids)
         self.kept_micro = tuple(r[1] for r in self.refs if r[0] == -1 and r[1] in micro)
         self.kept_positions = tuple(self.micro_ids.index(v) for v in self.kept_micro)
+        # F's outputs (loss, aux) made here: averaged over the micro-batches in the
+        # accumulators too (integer ones keep the last micro-batch's value).
+        self.f_out_ids = tuple(v for v in self.program.outputs if v in f_outputs)
         self._grad_parts = self._discover_grad_parts()
         acc_sh = self.accumulator_shardings()
-        self.forward = jax.jit(self._forward)
+        out_sh = [self.output_sharding(v) for v in self.f_out_ids]
+        self.forward = jax.jit(self._forward, out_shardings=(
+            [self.output_sharding(v) for v in self.float_outs],
+            [self.output_sharding(v) for v in self.int_outs], None))
         self.backward = jax.jit(self._backward, donate_argnums=(4,),
-                                out_shardings=(None, acc_sh))
-        self.zeros = jax.jit(self._zeros, out_shardings=acc_sh)
-        self.finalize = jax.jit(self._finalize, out_shardings=[self.input_shardings[v]
-                                                               for v in self.param_ids])
+                                out_shardings=(None, (acc_sh, out_sh)))
+        self.zeros = jax.jit(self._zeros, out_shardings=(acc_sh, out_sh))
+        self.finalize = jax.jit(self._finalize, out_shardings=(
+            [self.input_shardings[v] for v in self.param_ids], out_sh))
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -159,6 +167,7 @@ class StageRunner:
         static = [self._aval(v) for v in self.static_ids]
         micro = [self._aval(v) for v in self.micro_ids]
         _, _, saved = jax.eval_shape(self._forward, static, micro)
+        saved = saved[:len(saved) - len(self.f_out_ids)]
         kept = [self._aval(v) for v in self.kept_micro]
         cts = [self._aval(v) for v in self.ct_receivers]
         found: dict[int, dict[tuple[str, ...], jax.ShapeDtypeStruct]] = {}
@@ -171,6 +180,18 @@ class StageRunner:
         for v, parts in shapes.items():
             found[v] = {tuple(a for a in k.split(",") if a): x for k, x in parts.items()}
         return found
+
+    def output_sharding(self, vid: int) -> NamedSharding:
+        """The layout the stage's forward gives its output `vid` (the producing layer's
+        planned spec; replicated when the plan has none)."""
+        for layer, lp in zip(self.layers, self.plan.layer_plans or [None] * len(self.layers)):
+            prog = layer.program
+            outs = dict(zip(list(prog.fn.float_outs) + list(prog.fn.int_outs), prog.fb.outvars))
+            if vid in outs and lp is not None:
+                spec = dict(lp.value_specs).get(outs[vid])
+                if spec is not None:
+                    return NamedSharding(self.mesh, to_pspec(spec))
+        return NamedSharding(self.mesh, PartitionSpec())
 
     def _aval(self, vid: int) -> jax.ShapeDtypeStruct:
         v = self.graph.values[vid]
@@ -202,6 +223,7 @@ class StageRunner:
             env.update(zip(lp.fn.int_outs, ints))
             computed.update(((k, vid), x) for vid, x in zip(lp.residuals, residuals))
         saved = [computed[r] if r[0] >= 0 else env[r[1]] for r in self.saved_refs]
+        saved += [env[v] for v in self.f_out_ids]
         return [env[v] for v in self.float_outs], [env[v] for v in self.int_outs], saved
 
     def _backward_sums(self, static: Sequence[Any], kept: Sequence[Any], saved: Sequence[Any],
@@ -252,19 +274,32 @@ class StageRunner:
         return act_cts, grads
 
     def _backward(self, static, kept, saved, cts, acc):
+        """One micro-batch's backward; `acc` = (gradient parts per parameter, running sums
+        of F's outputs) and `saved` ends with this micro-batch's F outputs."""
+        grad_acc, out_acc = acc
+        f_values = saved[len(saved) - len(self.f_out_ids):]
+        saved = saved[:len(saved) - len(self.f_out_ids)]
         act_cts, grads = self._backward_sums(static, kept, saved, cts)
-        new_acc = []
-        for v, parts in zip(self.param_ids, acc):
+        new_grads = []
+        for v, parts in zip(self.param_ids, grad_acc):
             g = grads[v].parts
-            new_acc.append({axes: parts[axes] + g[axes] for axes in parts})
-        return act_cts, new_acc
+            new_grads.append({axes: parts[axes] + g[axes] for axes in parts})
+        new_outs = [total + x if is_float(x.dtype) else x for total, x in zip(out_acc, f_values)]
+        return act_cts, (new_grads, new_outs)
 
     def _zeros(self):
-        return [{axes: jnp.zeros(s.shape, s.dtype) for axes, s in self._grad_parts[v].items()}
-                for v in self.param_ids]
+        grads = [{axes: jnp.zeros(s.shape, s.dtype) for axes, s in self._grad_parts[v].items()}
+                 for v in self.param_ids]
+        return grads, [jnp.zeros(self.graph.values[v].shape, self.graph.values[v].dtype)
+                       for v in self.f_out_ids]
 
     def _finalize(self, acc):
-        return [GradSum(parts).total() for parts in acc]
+        """(each parameter's gradient, reduced once; the mean of each float F output over
+        the micro-batches, the last micro-batch's integer ones)."""
+        grad_acc, out_acc = acc
+        return ([GradSum(parts).total() for parts in grad_acc],
+                [x * jnp.asarray(self.scale, x.dtype) if is_float(x.dtype) else x
+                 for x in out_acc])
 
     # ---- lowering ---------------------------------------------------------------------------
 
@@ -285,9 +320,11 @@ class StageRunner:
         saved_sh = fwd_sh[2]
         saved = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
                  for s, sh in zip(saved, saved_sh)]
-        acc = [{axes: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh[axes])
-                for axes, s in self._grad_parts[v].items()}
-               for v, sh in zip(self.param_ids, self.accumulator_shardings())]
+        acc = ([{axes: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh[axes])
+                 for axes, s in self._grad_parts[v].items()}
+                for v, sh in zip(self.param_ids, self.accumulator_shardings())],
+               [jax.ShapeDtypeStruct(self.graph.values[v].shape, self.graph.values[v].dtype,
+                                     sharding=self.output_sharding(v)) for v in self.f_out_ids])
         kept = [micro[k] for k in self.kept_positions]
         return {"forward": fwd, "backward": self.backward.lower(static, kept, saved, cts, acc),
                 "zeros": self.zeros.lower(), "finalize": self.finalize.lower(acc)}
