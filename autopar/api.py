@@ -26,6 +26,7 @@ from . import (
     plan_cache,
     planner,
     schedules,
+    transfer,
 )
 from .emit import build_mesh, emit, to_pspec
 from .methods import Method, ShardParallel
@@ -606,7 +607,8 @@ def parallelize(fun: Callable | None = None, *, method: Method | None = None,
 def place(step: ParallelizedFunction, *args) -> tuple:
     """`args` laid out as `step`'s program expects them (`step.input_shardings(*args)`):
     every leaf of every dynamic argument moved by one `jax.device_put` (device to device
-    for arrays already on devices: no host gather); static arguments returned as given.
+    for arrays already on devices: no host gather; across processes `transfer.move`, which
+    every process calls); static arguments returned as given.
     A step called on the placed arguments moves nothing before it runs.
 
     Example: `state, batch = autopar.place(step, init_state(), batch)`.
@@ -615,7 +617,9 @@ def place(step: ParallelizedFunction, *args) -> tuple:
     dynamic, _, positions = step._split(args)
     leaves = jax.tree_util.tree_leaves(dynamic)
     shardings = traced._shardings("in")
-    placed = jax.tree_util.tree_unflatten(traced.in_tree, jax.device_put(leaves, shardings))
+    moved = (jax.device_put(leaves, shardings) if not transfer.multi_process()
+             else [transfer.move(x, sh) for x, sh in zip(leaves, shardings)])
+    placed = jax.tree_util.tree_unflatten(traced.in_tree, moved)
     out = list(args)
     for pos, value in zip(positions, placed):
         out[pos] = value

@@ -164,7 +164,12 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         shutdown_timeout_s = env.shutdown_timeout_s
         if env.launcher_pid is not None:
             _die_with(env.launcher_pid)
-    settings = {"jax_cpu_collectives_implementation": "gloo"}
+    # CPU devices dispatch synchronously across processes: with asynchronous dispatch the
+    # CPU client's queued executions, gloo collectives and cross-process transfers of a
+    # pipeline step deadlocked here in 1 of 4 runs (2 processes x 4 devices, 2 stages,
+    # jax 0.10.2); synchronous dispatch ran 5 of 5.  GPU and TPU clients are unaffected.
+    settings = {"jax_cpu_collectives_implementation": "gloo",
+                "jax_cpu_enable_async_dispatch": False}
     if cpu_devices is not None:
         settings["jax_num_cpu_devices"] = cpu_devices
     if transfer_address is not None:
@@ -318,24 +323,28 @@ class _Store:
                                "the processes with autopar.distributed.initialize()")
 
     def put(self, key: str, value: dict) -> None:
-        data = zlib.compress(json.dumps(value).encode())
-        chunks = [data[i:i + _CHUNK_BYTES] for i in range(0, len(data), _CHUNK_BYTES)]
+        self.put_bytes(key, zlib.compress(json.dumps(value).encode()))
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        chunks = [data[i:i + _CHUNK_BYTES] for i in range(0, len(data), _CHUNK_BYTES)] or [b""]
         for i, chunk in enumerate(chunks):
             self.client.key_value_set_bytes(f"{key}/{i}", chunk)
         self.client.key_value_set(key, str(len(chunks)))  # written last: the value is whole
 
     def get(self, key: str, timeout_s: float, what: str) -> dict:
+        return json.loads(zlib.decompress(self.get_bytes(key, timeout_s, what)))
+
+    def get_bytes(self, key: str, timeout_s: float, what: str) -> bytes:
         ms = max(1, int(timeout_s * 1000))
         try:
             count = int(self.client.blocking_key_value_get(key, ms))
-            data = b"".join(self.client.blocking_key_value_get_bytes(f"{key}/{i}", ms)
+            return b"".join(self.client.blocking_key_value_get_bytes(f"{key}/{i}", ms)
                             for i in range(count))
         except Exception as err:  # the client raises XlaRuntimeError (DEADLINE_EXCEEDED)
             raise PlanError(f"process {jax.process_index()} waited {timeout_s:g} s for "
                             f"{what} and gave up ({type(err).__name__}: "
                             f"{str(err).splitlines()[0]}); set AUTOPAR_PLAN_TIMEOUT_S to wait "
                             f"longer") from None
-        return json.loads(zlib.decompress(data))
 
 
 # ---- global batches and state ---------------------------------------------------------------
@@ -410,13 +419,29 @@ def input_shardings(step, *args) -> tuple:
 
 def gather(tree: Any) -> Any:
     """Every leaf as a full numpy array on every process (for checks and logging: it copies
-    the whole pytree to every host).  Every process must call it.  One program per mesh
-    replicates the leaves that this process does not hold whole."""
+    the whole pytree to every host).  Every process must call it, the same number of times.
+    Leaves spread over every process: one program per mesh replicates them.  Leaves on some
+    processes only (a pipeline stage's): made whole among their own processes, then the
+    first of those publishes the bytes (.npy) in the `jax.distributed` key-value store and
+    the others read them (no cross-process device copy, whose matching depends on every
+    process issuing the same transfers in the same order)."""
+    global _gathers
     leaves, treedef = jax.tree_util.tree_flatten(tree)
+    everyone = set(range(jax.process_count()))
+    me = jax.process_index()
     by_mesh: dict[Any, list[int]] = {}
+    _gathers += 1
     for k, x in enumerate(leaves):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            by_mesh.setdefault(_replicated(x).mesh, []).append(k)
+        if not isinstance(x, jax.Array):
+            continue
+        # Decided from the sharding alone (the same on every process): a leaf held whole by
+        # this process may still be missing on the others.
+        holders = {d.process_index for d in x.sharding.device_set}
+        if holders == everyone:
+            if not x.is_fully_addressable:
+                by_mesh.setdefault(_replicated(x).mesh, []).append(k)
+            continue
+        leaves[k] = _publish(x, holders, f"autopar/gather/{_gathers}/{k}", me)
     for mesh, todo in by_mesh.items():
         whole = NamedSharding(mesh, PartitionSpec())
         copies = jax.jit(lambda *xs: xs, out_shardings=(whole,) * len(todo))(
@@ -424,6 +449,30 @@ def gather(tree: Any) -> Any:
         for k, x in zip(todo, copies):
             leaves[k] = x
     return jax.tree_util.tree_unflatten(treedef, [np.asarray(x) for x in leaves])
+
+
+_gathers = 0   # gather calls so far (the same count on every process: keys never repeat)
+
+
+def _publish(x: jax.Array, holders: set[int], key: str, me: int) -> np.ndarray:
+    """`x` (held by the processes `holders`) as a numpy array on this process."""
+    import io
+
+    if me in holders:
+        if x.is_fully_addressable:
+            value = np.asarray(x)
+        else:   # spread over several holders: a whole copy on each first
+            if not x.is_fully_replicated:
+                x = jax.jit(lambda a: a, out_shardings=_replicated(x))(x)
+            value = np.asarray(x.addressable_data(0))
+        if me == min(holders):
+            buf = io.BytesIO()
+            np.save(buf, value, allow_pickle=False)
+            _Store().put_bytes(key, buf.getvalue())
+        return value
+    data = _Store().get_bytes(key, _plan_timeout_s(), f"leaf {key} from process "
+                              f"{min(holders)}")
+    return np.load(io.BytesIO(data), allow_pickle=False)
 
 
 def _replicated(x: jax.Array) -> Sharding:

@@ -29,6 +29,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from autopar.graph import ELEMENTWISE
 from autopar.interpret import run_eqns
 
+from . import transfer
+
 
 @dataclasses.dataclass(eq=False)
 class Segment:
@@ -42,6 +44,7 @@ class Segment:
     out_shardings: list[Sharding] = dataclasses.field(default_factory=list)
     donate: tuple[int, ...] = ()
     fn: Any = None
+    local: bool = True
 
 
 def _nbytes(v: Any) -> int:
@@ -172,6 +175,7 @@ def wire(closed: jcore.ClosedJaxpr, segments: list[Segment], needed_later: set[A
                 free[key] -= 1
                 donate.append(j)
         seg.donate = tuple(donate)
+        seg.local = transfer.is_local(replicated)
         seg.fn = jax.jit(_segment_fn(closed, seg), in_shardings=seg.in_shardings,
                          out_shardings=seg.out_shardings, donate_argnums=seg.donate)
 
@@ -196,14 +200,21 @@ def place(x: Any, sharding: Sharding, private: bool = False) -> Any:
     x's own device)."""
     if isinstance(x, jax.Array) and x.sharding == sharding:
         return x
+    if transfer.multi_process():
+        return transfer.move(x, sharding)
     if private and isinstance(x, jax.Array):
         x = x.copy()
     return jax.device_put(x, sharding)
 
 
 def run(segments: Sequence[Segment], env: dict[Any, Any]) -> None:
-    """Runs `segments` in order on the values of `env` (extended with their outputs)."""
+    """Runs `segments` in order on the values of `env` (extended with their outputs); a
+    segment on another process's devices leaves placeholders of its outputs."""
     for seg in segments:
         args = [place(env[v], sh, private=j in seg.donate)
                 for j, (v, sh) in enumerate(zip(seg.inputs, seg.in_shardings))]
-        env.update(zip(seg.outputs, seg.fn(*args)))
+        if seg.local:
+            env.update(zip(seg.outputs, seg.fn(*args)))
+        else:
+            env.update((v, transfer.placeholder(v.aval.shape, v.aval.dtype, sh))
+                       for v, sh in zip(seg.outputs, seg.out_shardings))

@@ -155,8 +155,9 @@ class PipelineRuntime:
             if fn is not None:
                 st = self.stages[s]
                 xs = [outer.place(full[v], st.input_shardings[v]) for v in vids]
-                parts.update(((v, s), p) for v, p in zip(vids, fn(*xs)))
-        acc = [st.zeros() for st in self.stages]
+                if st.local:
+                    parts.update(((v, s), p) for v, p in zip(vids, fn(*xs)))
+        acc = [st.zeros() if st.local else None for st in self.stages]
         acts: dict[tuple[int, int], Any] = {}
         cts: dict[tuple[int, int], Any] = {}
         saved: dict[tuple[int, int], tuple[list, list]] = {}
@@ -166,10 +167,12 @@ class PipelineRuntime:
             s, m = task.stage, task.micro_batch
             st = self.stages[s]
             if task.kind == "fwd":
-                micro = [parts[(v, s)][m] if (v, s) in parts else
+                split_ids = self._splitters[s][0]
+                micro = [(parts[(v, s)][m] if st.local else None) if v in split_ids else
                          outer.place(acts[(v, m)], st.input_shardings[v])
                          for v in st.micro_ids]
-                floats, ints, res = st.forward(static[s], micro)
+                floats, ints, res = (st.forward(static[s], micro) if st.local
+                                     else st.remote_forward())
                 acts.update(((v, m), x) for v, x in zip(st.float_outs, floats))
                 acts.update(((v, m), x) for v, x in zip(st.int_outs, ints))
                 saved[(s, m)] = ([micro[k] for k in st.kept_positions], res)
@@ -178,11 +181,16 @@ class PipelineRuntime:
             else:
                 kept, res = saved.pop((s, m))
                 incoming = [cts.pop((v, m)) for v in st.ct_receivers]
-                act_cts, acc[s] = st.backward(static[s], kept, res, incoming, acc[s])
+                if st.local:
+                    act_cts, acc[s] = st.backward(static[s], kept, res, incoming, acc[s])
+                else:
+                    act_cts = st.remote_backward()
                 alive[s] -= 1
                 for v, g in zip(st.act_ct_ids, act_cts):
                     g = outer.place(g, acts[(v, m)].sharding)
-                    cts[(v, m)] = g if (v, m) not in cts else cts[(v, m)] + g
+                    if (v, m) in cts:   # a second consumer: add on the producer's devices
+                        g = cts[(v, m)] + g if self.stages[self.stage_of_value[v]].local else g
+                    cts[(v, m)] = g
                 for v in st.float_outs + st.int_outs:   # consumers' forwards are done
                     acts.pop((v, m), None)
         grads, means = self._finalize(acc)
@@ -200,14 +208,12 @@ class PipelineRuntime:
         by_param: dict[int, Any] = {}
         means: dict[int, Any] = {}
         for st, a in zip(self.stages, acc):
-            grads, outs = st.finalize(a)
+            grads, outs = st.finalize(a) if st.local else st.remote_finalize()
             means.update(zip(st.f_out_ids, outs))
             for v, g in zip(st.param_ids, grads):
                 owner = self.stages[self.owner[v]]
-                if v in by_param:
-                    by_param[v] = by_param[v] + outer.place(g, owner.input_shardings[v])
-                else:
-                    by_param[v] = outer.place(g, owner.input_shardings[v])
+                g = outer.place(g, owner.input_shardings[v])
+                by_param[v] = by_param[v] + g if v in by_param and owner.local else g
         out = []
         for j in self.split.diff_inputs:
             vid = self.f_inputs[j]

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.graph import Graph, is_float
 
+from . import transfer
 from .emit import Constraints, to_pspec
 from .grad_accum import Deferral, DeferredBackward, GradSum, as_grad_sum, stacked_spec
 from .layer import LayerProgram
@@ -104,11 +105,19 @@ class StageRunner:
         self._grad_parts = self._discover_grad_parts()
         acc_sh = self.accumulator_shardings()
         out_sh = [self.output_sharding(v) for v in self.f_out_ids]
+        # Every program's outputs have explicit layouts: across processes, the ones that do
+        # not run a stage still know where its results live (transfer.placeholder).
+        self.local = transfer.is_local(NamedSharding(mesh, PartitionSpec()))
+        self.act_ct_shardings = [self.input_shardings[v] for v in self.act_ct_ids]
         self.forward = jax.jit(self._forward, out_shardings=(
             [self.output_sharding(v) for v in self.float_outs],
             [self.output_sharding(v) for v in self.int_outs], None))
+        # Activation cotangents: XLA picks their layout (forcing the consumer's input layout
+        # costs an all-gather where the backward leaves them split); across processes they
+        # need a layout known to every process (the consumer's input layout).
+        ct_sh = self.act_ct_shardings if transfer.multi_process() else None
         self.backward = jax.jit(self._backward, donate_argnums=(4,),
-                                out_shardings=(None, (acc_sh, out_sh)))
+                                out_shardings=(ct_sh, (acc_sh, out_sh)))
         self.zeros = jax.jit(self._zeros, out_shardings=(acc_sh, out_sh))
         self.finalize = jax.jit(self._finalize, out_shardings=(
             [self.input_shardings[v] for v in self.param_ids], out_sh))
@@ -192,6 +201,26 @@ class StageRunner:
                 if spec is not None:
                     return NamedSharding(self.mesh, to_pspec(spec))
         return NamedSharding(self.mesh, PartitionSpec())
+
+    def _placeholders(self, vids: Sequence[int], shardings: Sequence[Any]) -> list[jax.Array]:
+        return [transfer.placeholder(self.graph.values[v].shape, self.graph.values[v].dtype,
+                                     sh) for v, sh in zip(vids, shardings)]
+
+    def remote_forward(self) -> tuple[list, list, None]:
+        """What `forward` returns, on a process that holds none of the stage's devices."""
+        return (self._placeholders(self.float_outs, map(self.output_sharding, self.float_outs)),
+                self._placeholders(self.int_outs, map(self.output_sharding, self.int_outs)),
+                None)
+
+    def remote_backward(self) -> list:
+        """The activation cotangents `backward` returns, elsewhere."""
+        return self._placeholders(self.act_ct_ids, self.act_ct_shardings)
+
+    def remote_finalize(self) -> tuple[list, list]:
+        """What `finalize` returns, elsewhere."""
+        return (self._placeholders(self.param_ids, [self.input_shardings[v]
+                                                    for v in self.param_ids]),
+                self._placeholders(self.f_out_ids, map(self.output_sharding, self.f_out_ids)))
 
     def _aval(self, vid: int) -> jax.ShapeDtypeStruct:
         v = self.graph.values[vid]

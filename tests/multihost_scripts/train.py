@@ -111,7 +111,7 @@ def main() -> int:
         if rank == args.kill_rank and i == args.kill_step:
             print(f"rank {rank}: killing myself while step {i} is in flight", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        losses.append(float(metrics["loss"]))
+        losses.append(float(dist.gather(metrics["loss"])))  # the last stage's, for pipelines
         print(f"step {i}: loss {losses[-1]:.6f} at {time.perf_counter() - t0:.1f} s", flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -122,8 +122,11 @@ def main() -> int:
                    "local_devices": [d.id for d in jax.local_devices()],
                    # state leaves of which this process holds only a part (kept sharded)
                    "split_state_leaves": sum(
-                       x.addressable_shards[0].data.shape != x.shape
-                       for x in jax.tree.leaves(state)),
+                       bool(x.addressable_shards) and x.addressable_shards[0].data.shape
+                       != x.shape for x in jax.tree.leaves(state)),
+                   # state leaves that live on other processes' devices only (a stage's)
+                   "remote_state_leaves": sum(not x.addressable_shards
+                                              for x in jax.tree.leaves(state)),
                    "stage_processes": [sorted({d.process_index for d in jax.devices()
                                                if d.id in st.device_ids})
                                        for st in plan.stages]}, f)
