@@ -22,7 +22,7 @@ from autopar.passes.solver import (
 )
 from autopar.passes.solver.reduce import reduce_problem
 
-IOPDDL = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "iopddl"
+IOPDDL = pathlib.Path(__file__).resolve().parent / "data"  # see data/README.md
 EXAMPLE = IOPDDL / "example.json"
 BACKENDS = ["cbc"] + (["highs"] if importlib.util.find_spec("highspy") else [])
 
