@@ -36,10 +36,17 @@ import math
 import re
 from collections.abc import Callable, Sequence
 
+from autopar import pipeline
 from autopar.cost_model import ClusterSpec
 from autopar.passes.inter_op import equal_ranges
 from autopar.passes.sharding_spec import MeshContext, Spec, replicated
-from autopar.pipeline_planner import LAYER_TIME_LIMIT_S, _Priced, price_stage, update_time_s
+from autopar.pipeline_planner import (
+    LAYER_TIME_LIMIT_S,
+    _Priced,
+    price_stage,
+    transfer_s,
+    update_time_s,
+)
 from benchmarks.baselines import megatron_dim
 from benchmarks.workload import Workload
 
@@ -217,11 +224,51 @@ class Pricer:
         for s, (layers, mesh_shape) in enumerate(stages):
             costs.append(self._stage(w, layout, layers, tuple(mesh_shape),
                                      in_flight=len(stages) - s))
+        moves, per_step = self._transfers(w, stages)
+        costs = [dataclasses.replace(c, per_micro_s=c.per_micro_s + t)
+                 for c, t in zip(costs, moves)]
         b = layout.micro
         per = [c.per_micro_s for c in costs]
-        step = sum(per) + (b - 1) * max(per) + max(c.update_s for c in costs)
+        step = sum(per) + (b - 1) * max(per) + max(c.update_s for c in costs) + per_step
         memory = max(c.memory_bytes for c in costs)
         return Evaluation(layout, step, memory, memory > self.cluster.memory_bytes, tuple(costs))
+
+    def _transfers(self, w: Workload, stages: Sequence[tuple[tuple[int, int], tuple[int, ...]]]
+                   ) -> tuple[list[float], float]:
+        """Seconds per micro-batch each stage spends receiving activations (and sending
+        their cotangents back), and seconds per step of moving values several stages read
+        (a tied embedding), priced as the planner prices them (`pipeline_planner.transfer_s`
+        over the link between the stages' devices, numbered in stage order)."""
+        per_host = self.cluster.devices_per_host
+        first, devices = [], 0
+        for _, mesh_shape in stages:
+            first.append(devices)
+            devices += math.prod(mesh_shape)
+        sizes = [math.prod(m) for _, m in stages]
+        made_by: dict[int, int] = {}
+        reader: dict[int, int] = {}
+        out, per_step = [], 0.0
+        for k, (layers, _) in enumerate(stages):
+            prog = pipeline.program_for_range(w.graph, w.layers[layers[0]].eqns[0],
+                                              w.layers[layers[1]].eqns[-1] + 1)
+            seconds = 0.0
+            for v in prog.inputs:
+                src = made_by.get(v, reader.get(v))
+                if src is None:
+                    reader[v] = k
+                    continue
+                hosts = {first[src] // per_host, (first[src] + sizes[src] - 1) // per_host,
+                         first[k] // per_host, (first[k] + sizes[k] - 1) // per_host}
+                link = self.cluster.intra_host if len(hosts) == 1 else self.cluster.inter_host
+                moved = transfer_s(w.graph.values[v].nbytes, sizes[src], sizes[k], link)
+                back = moved if v in w.diff and (v in made_by or v in w.param_ids) else 0.0
+                if v in made_by:
+                    seconds += moved + back
+                else:
+                    per_step += moved + back
+            made_by.update((o, k) for o in prog.outputs)
+            out.append(seconds)
+        return out, per_step
 
     def _stage(self, w: Workload, layout: Layout, layers: tuple[int, int],
                mesh_shape: tuple[int, ...], in_flight: int) -> StageCost:

@@ -105,6 +105,10 @@ def _audit(step, plan, state, batch) -> dict:
     return {"collective_bytes": by_kind, "memory_bytes": memory}
 
 
+def _copy(tree):
+    return jax.tree.map(lambda x: x.copy(), tree)
+
+
 def run_model(model: str, strategies=None, cluster: str = "cpu-local") -> list[dict]:
     """Runs every strategy on `model` (toy size) and compares with the reference."""
     state = zoo.init_state(model)
@@ -123,9 +127,11 @@ def run_model(model: str, strategies=None, cluster: str = "cpu-local") -> list[d
         t0 = time.perf_counter()
         plan = par.get_plan(state, batches[0])
         search_s = time.perf_counter() - t0
-        new_state, losses = run_steps(par, state, batches)
+        # Steps donate their state (autopar's default): each run gets its own copy.
+        new_state, losses = run_steps(par, _copy(state), batches)
+        again = _copy(state)
         t0 = time.perf_counter()
-        jax.block_until_ready(par(state, batches[0]))
+        jax.block_until_ready(par(again, batches[0]))
         measured = time.perf_counter() - t0
         ref_state, ref_losses = refs[micro]
         loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
