@@ -174,6 +174,12 @@ def reshard_s(src: Spec, dst: Spec, nbytes: float, mesh: MeshContext) -> float:
     return total
 
 
+def is_slice(src: Spec, dst: Spec) -> bool:
+    """Whether `dst` only cuts `src` finer: every axis splitting `src` splits the same dim of
+    `dst` (a local slice, no communication, fused into the consumer by XLA)."""
+    return all(_dim_of(dst, a) == d for d, axes in enumerate(src) for a in axes)
+
+
 def _dim_of(spec: Spec, axis: str) -> int | None:
     for d, axes in enumerate(spec):
         if axis in axes:

@@ -40,6 +40,9 @@ class Strategy:
       in_specs: spec every operand must arrive in (None: any, e.g. literals).
       compute_s: seconds of computation per device.
       comm_s: seconds of communication the strategy itself needs (partial-sum reductions).
+      partial_bytes: bytes per device of the unreduced partial sum of output 0 that the
+        strategy reduces (all-reduce / reduce-scatter), 0 if none (the memory model
+        counts that buffer: passes/memory.py).
     """
 
     name: str
@@ -47,6 +50,7 @@ class Strategy:
     in_specs: tuple[Spec | None, ...]
     compute_s: float
     comm_s: float
+    partial_bytes: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,14 +372,14 @@ def slot_strategies(info: EqnInfo, mesh: MeshContext, slots: Sequence[Slot],
             continue
         per_group = info.out_nbytes[0] / max(mesh.shards(ospec), 1)
         strategies.append(Strategy(name + " allreduce", (ospec,), ins, comp,
-                                   mesh.all_reduce_s(per_group, partial)))
+                                   mesh.all_reduce_s(per_group, partial), per_group))
         free = [d for d in range(len(out_shape)) if not ospec[d]
                 and out_shape[d] % mesh.dim_shards(partial) == 0]
         if free:
             d = max(free, key=lambda i: out_shape[i])
             rs_spec = tuple(tuple(partial) if i == d else a for i, a in enumerate(ospec))
             strategies.append(Strategy(name + f" reducescatter@{d}", (rs_spec,), ins, comp,
-                                       mesh.reduce_scatter_s(per_group, partial)))
+                                       mesh.reduce_scatter_s(per_group, partial), per_group))
     return strategies
 
 
