@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from autopar.graph import Graph, is_numeric
-from autopar.passes.sharding_spec import Spec
+from autopar.passes.sharding_spec import Spec, full_rematerialization, gather_first
 
 from .plan import Plan
 
@@ -42,6 +42,17 @@ def emit(graph: Graph, plan: Plan, mesh: Mesh, donate_argnums: Sequence[int] = (
     # choice to the partitioner gave wrong attention logits for one such reshard).
     operand_constraints = {(e, k): NamedSharding(mesh, to_pspec(spec))
                            for e, k, spec in plan.operand_specs}
+    # A move of a split between dims with several mesh axes involved goes through the
+    # gathered layout first: XLA's partitioner would replicate the whole value instead
+    # ("involuntary full rematerialization").
+    own = dict(zip(graph.invars, plan.in_specs))
+    own.update(plan.value_specs)
+    via = {}
+    for e, k, spec in plan.operand_specs:
+        op = graph.eqns[e].inputs[k]
+        src = own.get(op) if isinstance(op, int) else None
+        if src is not None and full_rematerialization(src, spec):
+            via[(e, k)] = NamedSharding(mesh, to_pspec(gather_first(src, spec)))
 
     def on_value(vid: int, x):
         sharding = constraints.get(vid)
@@ -49,7 +60,11 @@ def emit(graph: Graph, plan: Plan, mesh: Mesh, donate_argnums: Sequence[int] = (
 
     def on_operand(eqn: int, k: int, x):
         sharding = operand_constraints.get((eqn, k))
-        return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+        if sharding is None:
+            return x
+        if (eqn, k) in via:
+            x = jax.lax.with_sharding_constraint(x, via[(eqn, k)])
+        return jax.lax.with_sharding_constraint(x, sharding)
 
     def program(*flat_args):
         return tuple(graph.evaluate(flat_args, on_value, on_operand))

@@ -29,9 +29,12 @@ from autopar.graph import Graph, Lit, Value, is_numeric
 from . import memory as mem
 from . import strategies as st
 from .sharding_spec import (
+    COMBINE_BYTES,
     MeshContext,
     Spec,
     enumerate_specs,
+    full_rematerialization,
+    gather_first,
     is_slice,
     is_valid,
     replicated,
@@ -152,9 +155,16 @@ def _result(builder: _ProblemBuilder, solution: Solution, estimate: mem.MemoryEs
     problem_nodes = len(builder.groups)
     choice = solution.strategies
     value_specs = {vid: builder.specs[vid][choice[g]] for vid, g in builder.group_of.items()}
-    operand_specs = tuple(
-        (eqn, k, req[choice[g]]) for eqn, k, vid, g, req in builder.operand_requirements
-        if req[choice[g]] is not None and req[choice[g]] != value_specs[vid])
+    operand_specs = {
+        (eqn, k): req[choice[g]] for eqn, k, vid, g, req in builder.operand_requirements
+        if req[choice[g]] is not None and req[choice[g]] != value_specs[vid]}
+    # Other reads that move a split between dims with several axes involved are pinned too,
+    # so that the emitter can route them through `gather_first` (XLA would replicate).
+    for eqn, k, vid, g, req in builder.requirements:
+        want = req[choice[g]]
+        if want is not None and k >= 0 and full_rematerialization(value_specs[vid], want):
+            operand_specs.setdefault((eqn, k), want)
+    operand_specs = tuple((e, k, sp) for (e, k), sp in sorted(operand_specs.items()))
     out_specs = []
     tied = dict(ties)
     for pos, op in enumerate(graph.outvars):
@@ -306,8 +316,9 @@ class _ProblemBuilder:
         # (equation, operand position, value, group, spec per strategy) of enumerated
         # equations: the layouts their chosen strategy reads its operands in.
         self.operand_requirements: list[tuple[int, int, int, int, list]] = []
-        # (equation, operand value, consumer group, spec per strategy) of every operand.
-        self.requirements: list[tuple[int, int, int, list]] = []
+        # (equation, operand position, operand value, consumer group, spec per strategy)
+        # of every operand.
+        self.requirements: list[tuple[int, int, int, int, list]] = []
         self._buffers: mem.BufferInfo | None = None
         self.aliased: set[int] = set()   # outputs written into their donated input
         self.tie_pairs: list[tuple[int, int]] = []  # (output value, input value it replaces)
@@ -330,12 +341,14 @@ class _ProblemBuilder:
         self.groups[gid].members.append(vid)
 
     def require(self, vid: int, consumer_vid_or_gid: int, required: Sequence[Spec | None],
-                *, consumer_is_group: bool = False, eqn: int | None = None) -> None:
+                *, consumer_is_group: bool = False, eqn: int | None = None,
+                position: int = -1) -> None:
         """Operand `vid` must arrive in `required[j]` when the consumer's group picks j
-        (`eqn`: the consuming equation, where the resharded copy is made)."""
+        (`eqn`, `position`: the consuming equation and operand, where the resharded copy is
+        made)."""
         gv = consumer_vid_or_gid if consumer_is_group else self.group_of[consumer_vid_or_gid]
         if eqn is not None:
-            self.requirements.append((eqn, vid, gv, list(required)))
+            self.requirements.append((eqn, position, vid, gv, list(required)))
         gu = self.group_of[vid]
         value = self.graph.values[vid]
         src = self.specs[vid]
@@ -403,7 +416,8 @@ class _ProblemBuilder:
         return st.EqnInfo(eqn, tuple(in_shapes), tuple(o.shape for o in outs),
                           tuple(in_bytes), tuple(float(o.nbytes) for o in outs), tuple(fixed),
                           tuple(bcast), self.batch_size,
-                          eqn_out_dtype=outs[0].dtype if outs else np.float32)
+                          eqn_out_dtype=outs[0].dtype if outs else np.float32,
+                          fused_bytes=float(self.buffers.eqn_bytes[eqn.index]))
 
     def add_input(self, value: Value) -> None:
         if value.id in self.forced:
@@ -443,7 +457,8 @@ class _ProblemBuilder:
         for k, op in enumerate(eqn.inputs):
             # The leader's own re-layout (dropped axes) is priced by the rule's comm_s.
             if k != lead and isinstance(op, int) and op not in self.fixed:
-                self.require(op, gid, in_specs[k], consumer_is_group=True, eqn=eqn.index)
+                self.require(op, gid, in_specs[k], consumer_is_group=True, eqn=eqn.index,
+                             position=k)
 
     def add_enumerated(self, info: st.EqnInfo, rule: st.StrategyRule | None) -> None:
         eqn = info.eqn
@@ -458,9 +473,9 @@ class _ProblemBuilder:
             strategies = [st.replicated_strategy(info, self.mesh)]
         strategies = _dedupe(strategies)
         scale = self.comm_scale.get(eqn.index, 1.0)
+        comm = [s.comm_s * scale + self.uncombined_alpha_s(eqn, s) for s in strategies]
         gid = self.new_group([s.name for s in strategies], [s.compute_s for s in strategies],
-                             [s.comm_s * scale for s in strategies],
-                             f"{eqn.name} @ {eqn.where()}")
+                             comm, f"{eqn.name} @ {eqn.where()}")
         for k, vid in enumerate(eqn.outputs):
             self.add_member(gid, vid, [s.out_specs[k] for s in strategies])
         partial = np.array([s.partial_bytes for s in strategies])
@@ -469,8 +484,20 @@ class _ProblemBuilder:
         for k, op in enumerate(eqn.inputs):
             if isinstance(op, int) and op not in self.fixed:
                 required = [s.in_specs[k] for s in strategies]
-                self.require(op, gid, required, consumer_is_group=True, eqn=eqn.index)
+                self.require(op, gid, required, consumer_is_group=True, eqn=eqn.index,
+                             position=k)
                 self.operand_requirements.append((eqn.index, k, op, gid, required))
+
+    def uncombined_alpha_s(self, eqn, strategy: st.Strategy) -> float:
+        """The latency a partial-sum reduction pays beyond its share of a combined bucket
+        when the critical path waits for it (an activation's reduction is not combined with
+        others, passes/memory.py `urgent`): rules price α pro-rated to a 30 MiB bucket."""
+        if not strategy.partial_axes or not eqn.outputs:
+            return 0.0
+        if not self.buffers.urgent[eqn.outputs[0]]:
+            return 0.0
+        link = self.mesh.group_link(strategy.partial_axes)
+        return link.alpha_s * max(0.0, 1.0 - strategy.partial_bytes / COMBINE_BYTES)
 
     # -- the problem ------------------------------------------------------------------------
 
@@ -553,7 +580,7 @@ class _ProblemBuilder:
                 if per[choice[gid]] > 0:
                     partial[vid] = float(per[choice[gid]])
         reshards = []
-        for eqn, vid, gid, required in self.requirements:
+        for eqn, _, vid, gid, required in self.requirements:
             want = required[choice[gid]]
             have = spec_of.get(vid)
             if want is None or have is None or want == have:
@@ -561,9 +588,11 @@ class _ProblemBuilder:
             sliced = is_slice(have, want)
             if sliced and graph.eqns[eqn].name in mem.FUSING_CONSUMERS:
                 continue  # the slice is fused into the reader, which reads the whole value
-            reshards.append(mem.Reshard(vid, want, graph.values[vid].nbytes
-                                        / self.mesh.shards(want), int(info.runs_at[eqn]),
-                                        eqn=eqn, slice=sliced))
+            # A move is routed through the gathered layout (`gather_first`): the larger copy.
+            shards = self.mesh.shards(want) if sliced else min(
+                self.mesh.shards(want), self.mesh.shards(gather_first(have, want)))
+            reshards.append(mem.Reshard(vid, want, graph.values[vid].nbytes / shards,
+                                        int(info.runs_at[eqn]), eqn=eqn, slice=sliced))
         for out, inp in self.tie_pairs:
             want, have = spec_of.get(inp), spec_of.get(out)
             if want is None or have is None or want == have or is_slice(have, want):

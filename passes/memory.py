@@ -55,8 +55,25 @@ FUSING_CONSUMERS: frozenset[str] = FUSIBLE_PRODUCERS | {
 # one with several consumers keeps its buffer (xla::HloInstruction::IsElementwise + the
 # fusion pass's "do not duplicate expensive ops").
 EXPENSIVE: frozenset[str] = frozenset(
-    "exp exp2 log log1p tanh logistic sin cos tan sqrt rsqrt cbrt pow rem erf erfc "
+    "exp exp2 log log1p tanh logistic sin cos tan sqrt rsqrt cbrt pow div rem erf erfc "
     "erf_inv atan2 asin acos atan sinh cosh asinh acosh atanh expm1".split())
+
+
+def _expensive(graph: Graph, e) -> bool:
+    """Whether XLA keeps `e` rather than recompute it in several fusions.  A division by a
+    broadcast non-scalar (softmax's normalization) is rewritten by XLA's algebraic
+    simplifier into a multiplication by the reciprocal of the smaller operand: cheap."""
+    if e.name != "div":
+        return e.name in EXPENSIVE
+    divisor = e.inputs[1] if len(e.inputs) > 1 else None
+    if isinstance(divisor, int) and graph.values[divisor].producer is not None:
+        src = graph.eqns[graph.values[divisor].producer]
+        if src.name == "broadcast_in_dim" and isinstance(src.inputs[0], int) \
+                and graph.values[src.inputs[0]].ndim > 0:
+            return False
+    return True
+
+
 # Consumers that make a partial sum's reduction urgent (the critical path waits for it).
 _INDEXED = frozenset({"gather", "scatter-add", "scatter_add", "scatter"})
 _CRITICAL = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add",
@@ -82,6 +99,9 @@ class BufferInfo:
       inplace: value id → the buffers a loop fusion producing it reads (its operands through
         fused producers); XLA may write the result over one that dies there.
       readers: value id → (equation, time) of every read of its buffer.
+      eqn_bytes: float64 [num_eqns]: bytes each equation reads and writes in memory once
+        fused: the buffers it reads (not the values it recomputes) and the buffers it
+        writes (a fused output is never written).
     """
 
     materialized: np.ndarray
@@ -93,6 +113,7 @@ class BufferInfo:
     runs_at: np.ndarray
     inplace: dict
     readers: dict
+    eqn_bytes: np.ndarray
 
 
 def analyze(graph: Graph) -> BufferInfo:
@@ -128,7 +149,7 @@ def analyze(graph: Graph) -> BufferInfo:
         users = graph.consumers[out]
         if is_output[out] or not users or folded[out]:
             continue
-        if e.name in EXPENSIVE and len(users) > 1:
+        if _expensive(graph, e) and len(users) > 1:
             continue
         fusing = [u for u in users if graph.eqns[u].name in FUSING_CONSUMERS]
         if len(fusing) == len(users):
@@ -206,8 +227,16 @@ def analyze(graph: Graph) -> BufferInfo:
                 elif materialized[op] and graph.values[op].producer is not None:
                     found.append(op)
         inplace[out] = tuple(found)
+    eqn_bytes = np.zeros(n_eqns)
+    for v in graph.values:
+        if not materialized[v.id] and v.const_index is None:
+            continue
+        for u, _ in readers[v.id]:
+            eqn_bytes[u] += v.nbytes
+        if v.producer is not None and materialized[v.id]:
+            eqn_bytes[v.producer] += v.nbytes
     return BufferInfo(materialized, start, end, horizon, urgent, is_output, last, inplace,
-                      readers)
+                      readers, eqn_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,19 +370,20 @@ def temp_buffers(graph: Graph, info: BufferInfo, value_bytes: Callable[[int], fl
         if scatter_as_all_reduce and vid in partial:
             nbytes = max(nbytes, partial[vid])  # the slice reads the all-reduced buffer
         events.append((s, max(e, s + 1), nbytes, f"v{vid} {v.shape}"))
+    # One copy per (value, layout), shared by its readers (XLA's CSE): a gathering copy is
+    # made before the first of them, a slice right after the value.
     copies: dict[tuple[int, object], list] = {}
     for r in reshards:
         if r.nbytes <= 0:
             continue
         key = (r.value, r.target)
+        start = int(info.start[r.value]) if r.slice else r.time
         end = r.time + 1 if r.until is None else r.until
-        if r.slice:
-            r = dataclasses.replace(r, time=int(info.start[r.value]))
         if key in copies:
             c = copies[key]
-            c[0], c[1] = min(c[0], r.time), max(c[1], end)
+            c[0], c[1] = min(c[0], start), max(c[1], end)
         else:
-            copies[key] = [r.time, end, r.nbytes]
+            copies[key] = [start, end, r.nbytes]
     for (vid, _), (s, e, nbytes) in copies.items():
         events.append((s, e, nbytes, f"reshard v{vid}"))
     return events
