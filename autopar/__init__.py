@@ -3,7 +3,9 @@
 from autopar.cost_model import ClusterSpec
 from autopar.passes.intra_op import MemoryBudgetError
 
-from .api import FingerprintError, ParallelizedFunction, Traced, parallelize, plan
+from . import distributed
+from .api import FingerprintError, ParallelizedFunction, Traced, parallelize, place, plan
+from .checkpoint import CheckpointMismatchError, Checkpoints
 from .markers import grad, mark_pipeline_boundary, value_and_grad
 from .methods import (
     DataParallel,
@@ -19,6 +21,8 @@ from .methods import (
 from .plan import Plan, PlanError, PredictedCost, StagePlan
 
 __all__ = [
+    "CheckpointMismatchError",
+    "Checkpoints",
     "ClusterSpec",
     "DataParallel",
     "FingerprintError",
@@ -40,6 +44,8 @@ __all__ = [
     "grad",
     "mark_pipeline_boundary",
     "parallelize",
+    "place",
     "plan",
+    "distributed",
     "value_and_grad",
 ]

@@ -5,17 +5,28 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from autopar.cost_model import ClusterSpec
 from autopar.graph import Graph
 
-from . import markers, microbatch, pipeline, pipeline_planner, planner, schedules
+from . import (
+    distributed,
+    markers,
+    microbatch,
+    outer,
+    pipeline,
+    pipeline_planner,
+    plan_cache,
+    planner,
+    schedules,
+)
 from .emit import build_mesh, emit, to_pspec
 from .methods import Method, ShardParallel
 from .plan import Plan, PlanError, verify_plan
@@ -60,8 +71,10 @@ class Traced:
     args_info: tuple[jax.ShapeDtypeStruct, ...]
     _trace: _Trace = dataclasses.field(repr=False)
     _positions: list[int] = dataclasses.field(repr=False)
+    _trace_static: tuple = dataclasses.field(repr=False)
     _step: ParallelizedFunction = dataclasses.field(repr=False)
     _executable: Any = dataclasses.field(default=None, repr=False)
+    _layouts: dict[str, list] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def graph(self) -> Graph:
@@ -79,8 +92,64 @@ class Traced:
     def lower(self):
         """JAX's `Lowered` program (`.compile()` gives the compiled executable with
         `as_text()`, `memory_analysis()`, `cost_analysis()`); for pipeline plans, an object
-        whose `.compile()` gives every stage's compiled forward and backward."""
+        whose `.compile()` gives every compiled program of the step."""
         return self.executable.lower(*self.args_info)
+
+    def input_shardings(self) -> tuple:
+        """The `jax.sharding.Sharding` the program expects for every leaf of every dynamic
+        argument (static arguments excluded): a tuple with one pytree per argument, in
+        argument order.  Arguments laid out so (`autopar.place`, or a checkpoint restored
+        into them) reach the program without a reshard."""
+        return tuple(jax.tree_util.tree_unflatten(self.in_tree, self._shardings("in")))
+
+    def output_shardings(self) -> Any:
+        """The `jax.sharding.Sharding` of every leaf the step returns (a pytree like the
+        output) when its arguments are laid out as `input_shardings()`."""
+        return jax.tree_util.tree_unflatten(self.out_tree, self._shardings("out"))
+
+    def _shardings(self, side: Literal["in", "out"]) -> list[jax.sharding.Sharding]:
+        """Flattened input ("in") or output ("out") shardings, computed once."""
+        if side not in self._layouts:
+            if self.plan.stages:   # the pipeline runtime decides where values live
+                runtime = self.executable
+                self._layouts[side] = (runtime.input_shardings() if side == "in"
+                                       else runtime.output_shardings())
+            else:
+                mesh = build_mesh(self.plan, self._step._devices())
+                specs = self.plan.in_specs if side == "in" else self.plan.out_specs
+                self._layouts[side] = [NamedSharding(mesh, to_pspec(s)) for s in specs]
+        return self._layouts[side]
+
+    def donated_leaves(self) -> list[int]:
+        """Flattened input positions the step donates (see `parallelize(donate_argnums=)`)."""
+        donated = set(self._step._donated_args(self))
+        return [k for k, p in enumerate(_leaf_positions(self.in_tree, self._positions))
+                if p in donated]
+
+    def fast_call(self) -> Callable:
+        """`step(*args)` for these argument shapes as one `jax.jit` (its C++ dispatch is the
+        whole per-call cost); tracing other shapes raises `_OtherShapes`."""
+        step = self._step
+        expected = [(tuple(a.shape), jax.numpy.dtype(a.dtype)) for a in self.args_info]
+        static = {p: a for p, a in self._trace_static}
+        flat = self.executable
+
+        def body(*args):
+            dynamic, static_now, _ = step._split(args)
+            leaves, tree = jax.tree_util.tree_flatten(dynamic)
+            got = [(tuple(jax.numpy.shape(x)), jax.numpy.result_type(x)) for x in leaves]
+            if tree != self.in_tree or got != expected or dict(static_now) != static:
+                raise _OtherShapes()
+            return jax.tree_util.tree_unflatten(self.out_tree, flat(*leaves))
+
+        shardings = jax.tree_util.tree_unflatten(self.in_tree, self._shardings("in"))
+        in_shardings = [None] * (len(self._positions) + len(static))
+        for pos, sh in zip(self._positions, shardings):
+            in_shardings[pos] = sh
+        in_shardings = [sh for p, sh in enumerate(in_shardings) if p not in static]
+        return jax.jit(body, static_argnums=tuple(sorted(static)),
+                       donate_argnums=step._donated_args(self),
+                       in_shardings=tuple(in_shardings))
 
 
 class ParallelizedFunction:
@@ -91,7 +160,8 @@ class ParallelizedFunction:
     """
 
     def __init__(self, fun: Callable, *, method: Method | None, batch_argnums: Sequence[int],
-                 static_argnums: Sequence[int], donate_argnums: Sequence[int],
+                 static_argnums: Sequence[int],
+                 donate_argnums: Sequence[int] | Literal["auto"],
                  plan: Plan | str | os.PathLike | None, devices: Sequence[jax.Device] | None,
                  cluster: ClusterSpec | str | None, offline: bool = False,
                  progress: Callable[[str], None] | None = None):
@@ -100,7 +170,9 @@ class ParallelizedFunction:
         self.method = method if method is not None else ShardParallel()
         self.batch_argnums = _normalize_argnums("batch_argnums", batch_argnums)
         self.static_argnums = _normalize_argnums("static_argnums", static_argnums)
-        self.donate_argnums = _normalize_argnums("donate_argnums", donate_argnums)
+        self.donate_argnums: tuple[int, ...] | Literal["auto"] = (
+            "auto" if isinstance(donate_argnums, str) and donate_argnums == "auto"
+            else _normalize_argnums("donate_argnums", donate_argnums))
         self.devices = list(devices) if devices is not None else None
         self._cluster = cluster
         self.offline = offline
@@ -108,13 +180,28 @@ class ParallelizedFunction:
             plan = Plan.load(plan)
         self.fixed_plan: Plan | None = plan
         self._cache: dict[Any, Traced] = {}
+        self._fast: Callable | None = None
         functools.update_wrapper(self, fun)
 
     # -- public -----------------------------------------------------------------------------
 
     def __call__(self, *args):
+        fast = self._fast
+        if fast is not None:
+            try:
+                return fast(*args)
+            except _OtherShapes:
+                pass
         traced, leaves = self._traced(args)
-        out = traced.executable(*leaves)
+        if traced.plan.stages:
+            out = traced.executable(*leaves)
+            return jax.tree_util.tree_unflatten(traced.out_tree, out)
+        executable = traced.executable
+        donated = set(traced.donated_leaves())
+        leaves = [outer.place(x, sh, private=k in donated)
+                  for k, (x, sh) in enumerate(zip(leaves, traced._shardings("in")))]
+        out = executable(*leaves)
+        self._fast = traced.fast_call()
         return jax.tree_util.tree_unflatten(traced.out_tree, out)
 
     def trace(self, *args) -> Traced:
@@ -130,6 +217,15 @@ class ParallelizedFunction:
     def lower(self, *args):
         """`self.trace(*args).lower()`: JAX's lowered program(s) for these arguments."""
         return self.trace(*args).lower()
+
+    def input_shardings(self, *args) -> tuple:
+        """`self.trace(*args).input_shardings()`: the sharding of every dynamic argument
+        leaf the program expects (arguments may be `jax.ShapeDtypeStruct`s)."""
+        return self.trace(*args).input_shardings()
+
+    def output_shardings(self, *args) -> Any:
+        """`self.trace(*args).output_shardings()`: the sharding of every output leaf."""
+        return self.trace(*args).output_shardings()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -174,57 +270,128 @@ class ParallelizedFunction:
         if self.offline:
             cluster = _resolve_cluster(self._cluster, None)
             device_ids = list(range(cluster.num_devices))
+            devices = None
         else:
             devices = self._devices()
             cluster = _resolve_cluster(self._cluster, devices)
             device_ids = [d.id for d in devices]
         fixed = self.fixed_plan
+        if fixed is None and self.method.num_micro_batches == "auto":
+            from . import micro_batches
+
+            return micro_batches.search(self, dynamic, static, positions, in_tree, cluster,
+                                        device_ids)
         pipelined = bool(fixed.stages) if fixed is not None else self.method.pipelined
         micro = fixed.num_micro_batches if fixed is not None else self.method.num_micro_batches
+        traced, split, fp = self._trace_for(dynamic, static, positions, in_tree, micro,
+                                            pipelined, cluster)
+        program = traced.program
+
+        def check(candidate: Plan) -> Plan:
+            if candidate.fingerprint != fp:
+                raise FingerprintError(
+                    f"plan fingerprint {candidate.fingerprint} does not match this program "
+                    f"({fp}) on cluster {cluster.name}: the plan was made for another program, "
+                    f"input shapes or cluster; re-run the search (get_plan / `autopar plan`)")
+            _verify(candidate, program, split, device_ids)
+            return candidate
+
+        def search() -> Plan:
+            return self._search_cached(self.method, traced, split, fp, cluster, device_ids)
+
+        # Across processes, process 0 searches (or reads its cache) and every process runs
+        # its plan.
+        plan = distributed.one_plan(fp, devices, search, check, fixed)
+        return Traced(program, plan, split, traced.out_tree, in_tree, traced.args_info,
+                      _trace=traced, _positions=positions, _trace_static=static, _step=self)
+
+    def _trace_for(self, dynamic: list, static: tuple, positions: list[int], in_tree,
+                   micro: int, pipelined: bool, cluster: ClusterSpec
+                   ) -> tuple[_Trace, pipeline.SplitStep | None, str]:
+        """The step traced for `micro` micro-batches, its pipeline split (None on one mesh)
+        and its fingerprint on `cluster`."""
         if self.progress:
-            self.progress("trace")
+            self.progress("trace" if micro == 1 else f"trace (micro-batches {micro})")
         traced = trace(self.fun, dynamic, static, positions, in_tree, self.batch_argnums, micro,
                        accumulate=not pipelined)
         program = traced.program
         split = pipeline.split(traced.micro, set(traced.batch_positions)) if pipelined else None
         fp = planner.fingerprint(program.graph, cluster, extra=(
             f"micro_batches={micro} full_batch={program.batch_size}" if pipelined else ""))
-        if fixed is not None:
-            if fixed.fingerprint != fp:
-                raise FingerprintError(
-                    f"plan fingerprint {fixed.fingerprint} does not match this program "
-                    f"({fp}) on cluster {cluster.name}: the plan was made for another program, "
-                    f"input shapes or cluster; re-run the search (get_plan / `autopar plan`)")
-            value_shapes = {v.id: v.shape for v in program.graph.values
-                            if v.producer is not None}
-            stage_shapes = ({v.id: v.shape for v in split.forward_graph().values}
-                            if split is not None else None)
-            verify_plan(fixed, program.in_shapes, program.out_shapes, value_shapes,
-                        max(device_ids) + 1, stage_value_shapes=stage_shapes)
-            plan = fixed
-        elif pipelined:
-            plan = pipeline_planner.search(
-                split, self.method, cluster, device_ids, fp=fp,
+        return traced, split, fp
+
+    def _search_cached(self, method: Method, traced: _Trace, split: pipeline.SplitStep | None,
+                       fp: str, cluster: ClusterSpec, device_ids: list[int]) -> Plan:
+        """The plan of `method` for a traced step: from the plan cache when it holds one
+        for exactly this search (verified against the program), else searched and stored."""
+        program = traced.program
+        cache = plan_cache.PlanCache.default()
+        key, fields = plan_cache.cache_key(
+            fp, method, cluster, device_ids=device_ids, roles=program.roles,
+            input_names=program.input_names, ties=program.ties,
+            extra=f"batch_argnums={self.batch_argnums}")
+        t0 = time.perf_counter()
+        hit = cache.load(key, fp, verify=lambda p: _verify(p, program, split, device_ids))
+        if hit is not None:
+            path = str(cache.path(key))
+            if self.progress:
+                self.progress(f"plan cache hit: {path}")
+            return dataclasses.replace(hit, solver={**hit.solver, "plan_cache": {
+                "hit": True, "path": path, "lookup_s": time.perf_counter() - t0}})
+        if self.progress and cache.enabled:
+            self.progress("plan cache miss: searching")
+        plan = self._search(method, traced, split, fp, cluster, device_ids)
+        stored = cache.store(key, plan, fields)
+        if stored is None:
+            return plan
+        return dataclasses.replace(plan, solver={**plan.solver, "plan_cache": {
+            "hit": False, "path": str(stored)}})
+
+    def _search(self, method: Method, traced: _Trace, split: pipeline.SplitStep | None,
+                fp: str, cluster: ClusterSpec, device_ids: list[int]) -> Plan:
+        program = traced.program
+        if split is not None:
+            return pipeline_planner.search(
+                split, method, cluster, device_ids, fp=fp,
                 input_names=program.input_names, in_shapes=program.in_shapes,
-                out_shapes=program.out_shapes, batch_size=_micro_size(program, micro),
+                out_shapes=program.out_shapes,
+                batch_size=_micro_size(program, method.num_micro_batches),
                 progress=self.progress,
                 state_bytes_per_param_byte=_state_per_param_byte(program))
-        else:
-            plan = planner.search(program, self.method, cluster, device_ids, fp=fp,
-                                  progress=self.progress)
-        return Traced(program, plan, split, traced.out_tree, in_tree, traced.args_info,
-                      _trace=traced, _positions=positions, _step=self)
+        return planner.search(program, method, cluster, device_ids, fp=fp,
+                              progress=self.progress)
 
     def _build(self, traced: Traced):
         """The executable of a traced step on this process's devices."""
         devices = self._devices()
+        donate = traced.donated_leaves()
         if traced.plan.stages:
-            return _pipeline_runtime(traced.split, traced.plan, devices,
-                                     set(traced._trace.batch_positions))
-        mesh = build_mesh(traced.plan, devices)
-        donate = [i for i, pos in enumerate(_leaf_positions(traced.in_tree, traced._positions))
-                  if pos in self.donate_argnums]
-        return emit(traced.graph, traced.plan, mesh, donate)
+            return _pipeline_runtime(traced, devices, donate)
+        return emit(traced.graph, traced.plan, build_mesh(traced.plan, devices), donate)
+
+    def _donated_args(self, traced: Traced) -> tuple[int, ...]:
+        """Argument positions to donate: with "auto", those whose every leaf is replaced
+        by an output (the state); else the user's `donate_argnums`."""
+        if self.donate_argnums != "auto":
+            return tuple(self.donate_argnums)
+        tied = {i for _, i in traced.program.ties}
+        leaf_pos = _leaf_positions(traced.in_tree, traced._positions)
+        out = []
+        for pos in traced._positions:
+            mine = [k for k, p in enumerate(leaf_pos) if p == pos]
+            if mine and all(k in tied for k in mine):
+                out.append(pos)
+        return tuple(out)
+
+
+def _verify(plan: Plan, program: planner.Program, split: pipeline.SplitStep | None,
+            device_ids: Sequence[int]) -> None:
+    """`verify_plan` of `plan` against the traced program (and its pipeline split)."""
+    value_shapes = {v.id: v.shape for v in program.graph.values if v.producer is not None}
+    stage_shapes = ({v.id: v.shape for v in split.forward_graph().values}
+                    if split is not None else None)
+    verify_plan(plan, program.in_shapes, program.out_shapes, value_shapes,
+                max(device_ids) + 1, stage_value_shapes=stage_shapes)
 
 
 def _state_per_param_byte(program: planner.Program) -> float:
@@ -242,17 +409,22 @@ def _micro_size(program: planner.Program, num_micro_batches: int) -> int | None:
     return b // num_micro_batches if b else None
 
 
-def _pipeline_runtime(split, plan: Plan, devices, batch_positions: set[int]):
-    graph = split.forward_graph()
+def _pipeline_runtime(traced: Traced, devices, donate: Sequence[int]) -> PipelineRuntime:
+    plan = traced.plan
     by_id = {d.id: d for d in devices}
-    stages = []
+    meshes = []
     for st in plan.stages:
         grid = np.array([by_id[i] for i in st.device_ids], dtype=object).reshape(st.mesh_shape)
-        mesh = Mesh(grid, st.mesh_axes, axis_types=(AxisType.Auto,) * len(st.mesh_axes))
-        program = pipeline.program_for_range(graph, *st.eqn_range)
-        stages.append((program, mesh, {v: to_pspec(s) for v, s in st.input_specs}))
+        meshes.append(Mesh(grid, st.mesh_axes,
+                           axis_types=(AxisType.Auto,) * len(st.mesh_axes)))
     sched = schedules.make(plan.schedule, len(plan.stages), plan.num_micro_batches)
-    return PipelineRuntime(split, graph, stages, sched, batch_positions)
+    return PipelineRuntime(traced.split, traced.split.forward_graph(), plan, meshes, sched,
+                           set(traced._trace.batch_positions), ties=traced.program.ties,
+                           donate=donate)
+
+
+class _OtherShapes(Exception):
+    """Raised while the fast path traces arguments another plan is for."""
 
 
 def _is_weak(x: Any) -> bool:
@@ -401,7 +573,7 @@ def _same_aval(a, b) -> bool:
 def parallelize(fun: Callable | None = None, *, method: Method | None = None,
                 batch_argnums: int | Sequence[int] = (1,),
                 static_argnums: int | Sequence[int] = (),
-                donate_argnums: int | Sequence[int] = (),
+                donate_argnums: int | Sequence[int] | Literal["auto"] = "auto",
                 plan: Plan | str | os.PathLike | None = None,
                 devices: Sequence[jax.Device] | None = None,
                 cluster: ClusterSpec | str | None = None):
@@ -414,7 +586,10 @@ def parallelize(fun: Callable | None = None, *, method: Method | None = None,
       batch_argnums: positions of the batch arguments (split over devices by data parallel
         plans; their dim 0 is the batch).
       static_argnums: positions of hashable non-array arguments (a new value re-plans).
-      donate_argnums: positions whose buffers the step may reuse (e.g. the state).
+      donate_argnums: positions whose buffers the step may reuse; "auto" (the default)
+        donates every argument the step returns a replacement for (the state: parameters,
+        optimizer state), as `jax.jit(donate_argnums=...)` would — the arrays passed in are
+        then deleted.  `()` turns donation off.
       plan: a `Plan` or the path of a saved one: run it without searching.
       devices: devices to use (default: all of `jax.devices()`).
       cluster: cost model: a `ClusterSpec`, a preset name or a JSON path
@@ -426,6 +601,25 @@ def parallelize(fun: Callable | None = None, *, method: Method | None = None,
                                     plan=plan, devices=devices, cluster=cluster)
 
     return wrap(fun) if fun is not None else wrap
+
+
+def place(step: ParallelizedFunction, *args) -> tuple:
+    """`args` laid out as `step`'s program expects them (`step.input_shardings(*args)`):
+    every leaf of every dynamic argument moved by one `jax.device_put` (device to device
+    for arrays already on devices: no host gather); static arguments returned as given.
+    A step called on the placed arguments moves nothing before it runs.
+
+    Example: `state, batch = autopar.place(step, init_state(), batch)`.
+    """
+    traced = step.trace(*args)
+    dynamic, _, positions = step._split(args)
+    leaves = jax.tree_util.tree_leaves(dynamic)
+    shardings = traced._shardings("in")
+    placed = jax.tree_util.tree_unflatten(traced.in_tree, jax.device_put(leaves, shardings))
+    out = list(args)
+    for pos, value in zip(positions, placed):
+        out[pos] = value
+    return tuple(out)
 
 
 def plan(train_step: Callable, *abstract_args, cluster: ClusterSpec | str,

@@ -1,11 +1,12 @@
-"""The `autopar` command: plan, show, profile, demo.
+"""The `autopar` command: plan, show, profile, bench, demo, launch.
 
     autopar plan MODEL --cluster PRESET|cluster.json [--method auto|shard|pipeshard|dp|zero2|
-                 zero3|3d] [--micro-batches N] [--batch B] [--memory-budget 40GiB]
+                 zero3|3d] [--micro-batches N|auto] [--batch B] [--memory-budget 40GiB]
                  [--stages N] [--dp N --tp N --pp N] [--time-limit S] [-o plan.json] [--quiet]
     autopar show plan.json [--png out.png] [--top K]
     autopar profile -o cluster.json [--quick] [--quiet]
-    autopar demo [--steps 20] [--quiet]
+    autopar demo [--steps 20] [--processes N] [--time-limit S] [--quiet]
+    autopar launch -n N [--devices-per-process D] [--timeout S] (script.py | -m MODULE) ARGS...
 
 User errors (unknown model or preset, invalid or mismatched plan file, bad sizes, a memory
 budget no plan fits, invalid options) print one line `autopar: error: ...` on stderr and
@@ -49,6 +50,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _micro_batches(text: str) -> int | str:
+    """`--micro-batches`: a positive int or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'auto', got {text!r}"
+                                         ) from None
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -56,6 +68,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
 
 
@@ -124,7 +146,11 @@ def make_method(args, cluster):
     micro = args.micro_batches
     if name == "auto":
         # Pipelining pays off with several micro-batches, or across hosts (slow links).
-        name = "pipeshard" if micro > 1 or cluster.num_hosts > 1 else "shard"
+        name = ("pipeshard" if micro == "auto" or micro > 1 or cluster.num_hosts > 1
+                else "shard")
+    if micro == "auto" and name != "pipeshard":
+        raise UsageError(f"--micro-batches auto is for --method pipeshard (the method is "
+                         f"{name})")
     if args.stages is not None and name != "pipeshard":
         raise UsageError(f"--stages is for --method pipeshard (the method is {name})")
     if name != "3d" and any(v is not None for v in (args.dp, args.tp, args.pp)):
@@ -191,6 +217,10 @@ def cmd_plan(args) -> int:
         plan = step.get_plan(*model.args)
         wall = time.perf_counter() - t_search
     traced = step.trace(*model.args)
+    cached = plan.solver.get("plan_cache", {})
+    if cached.get("hit"):
+        print(f"plan cache hit: {cached['path']} (no search; AUTOPAR_CACHE_DIR='' disables "
+              f"the cache)", flush=True)
     phases = dict(plan.solver.get("phases_s", {}))
     search_s = float(plan.solver.get("search_s", sum(phases.values())))
     extra = {"model": model.name, "trace_s": max(0.0, wall - search_s), "wall_s": wall,
@@ -268,10 +298,36 @@ def cmd_bench(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from autopar import demo
+    from autopar import demo, distributed
 
+    if distributed.launched():  # one process of `autopar demo --processes N`
+        return demo.run_process(args.steps, time_limit_s=args.time_limit)
+    if args.processes > 1:
+        return demo.run_processes(args.steps, args.processes, quiet=args.quiet,
+                                  time_limit_s=args.time_limit)
     demo.use_cpu_devices()  # first: before anything can start a JAX backend
-    return demo.run(args.steps, quiet=args.quiet)
+    return demo.run(args.steps, quiet=args.quiet, time_limit_s=args.time_limit)
+
+
+def cmd_launch(args) -> int:
+    from autopar import launch
+
+    if args.module is None and not args.program:
+        raise UsageError("autopar launch needs a script (or -m MODULE) to run")
+    if args.module is None and not os.path.exists(args.program[0]):
+        raise UsageError(f"script {args.program[0]!r} does not exist")
+    command = (launch.python_command(None, args.program, module=args.module)
+               if args.module is not None else
+               launch.python_command(args.program[0], args.program[1:]))
+    timeouts = {name: value for name, value in (
+        ("heartbeat_timeout_s", args.heartbeat_timeout),
+        ("initialization_timeout_s", args.init_timeout)) if value is not None}
+    result = launch.launch(command, args.num_processes,
+                           devices_per_process=args.devices_per_process,
+                           timeout_s=args.timeout or None, echo=sys.stdout, **timeouts)
+    if result.returncode != 0:
+        print(result.summary(), file=sys.stderr)
+    return result.returncode
 
 
 # ---- entry point -----------------------------------------------------------------------------
@@ -300,7 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a preset ('8xA100-80GB', '2x8xA100-80GB', '8x8xV100-16GB', "
                         "'cpu-local', ...) or a cluster JSON from `autopar profile`")
     p.add_argument("--method", default="auto", choices=METHODS)
-    p.add_argument("--micro-batches", type=_positive_int, default=1, metavar="N")
+    p.add_argument("--micro-batches", type=_micro_batches, default=1, metavar="N|auto",
+                   help="micro-batches per step; auto: pipeshard tries divisors of the batch "
+                        "and keeps the fastest plan (default 1)")
     p.add_argument("--batch", type=_positive_int, default=None, metavar="B",
                    help="global batch size (built-in models: default 1024, gpt-toy 64; "
                         "passed as batch= to a package.module:function)")
@@ -356,8 +414,37 @@ def build_parser() -> argparse.ArgumentParser:
                        "train it, and check the losses against the single-device jax.jit "
                        "step (exit status 0 only if they match).")
     p.add_argument("--steps", type=_positive_int, default=20)
+    p.add_argument("--processes", type=_positive_int, default=1, metavar="N",
+                   help="run on N local processes (8/N CPU devices each) joined by "
+                        "jax.distributed, through `autopar launch`")
+    p.add_argument("--time-limit", type=_positive_float, default=10.0, metavar="S",
+                   help="solver wall-clock limit per logical mesh, seconds (default 10)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_demo)
+
+    p = sub.add_parser(
+        "launch", help="run a script on N local processes joined by jax.distributed",
+        description="Start N local processes of a Python script (or -m MODULE) that calls "
+        "autopar.distributed.initialize(): each gets the coordinator address, its rank, its "
+        "own transfer port and the timeouts in its environment; their output is printed "
+        "prefixed [rank k]. When a process fails the others stop (within the heartbeat "
+        "timeout, else they are killed) and the exit status is non-zero, naming the rank "
+        "that failed first. On a cluster, start the script with your usual launcher (srun, "
+        "a Kubernetes job) instead.")
+    p.add_argument("-n", "--num-processes", type=_positive_int, required=True, metavar="N")
+    p.add_argument("--devices-per-process", type=_positive_int, default=None, metavar="D",
+                   help="emulated CPU devices per process (default: the real devices)")
+    p.add_argument("--timeout", type=_non_negative_float, default=3600.0, metavar="S",
+                   help="wall-clock limit in seconds; 0: none (default 3600)")
+    p.add_argument("--heartbeat-timeout", type=_positive_int, default=None, metavar="S",
+                   help="seconds after which a silent process is declared dead (default 10)")
+    p.add_argument("--init-timeout", type=_positive_int, default=None, metavar="S",
+                   help="seconds start-up waits for every process (default 60)")
+    p.add_argument("-m", dest="module", default=None, metavar="MODULE",
+                   help="run a module (python -m MODULE) instead of a script")
+    p.add_argument("program", nargs=argparse.REMAINDER, metavar="script.py ARGS",
+                   help="the script and its arguments (with -m: the module's arguments)")
+    p.set_defaults(run=cmd_launch)
     return parser
 
 

@@ -8,7 +8,9 @@ do not change values.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -32,42 +34,67 @@ def build_mesh(plan: Plan, devices: Sequence[jax.Device] | None = None) -> Mesh:
     return Mesh(grid, plan.mesh_axes, axis_types=(AxisType.Auto,) * len(plan.mesh_axes))
 
 
-def emit(graph: Graph, plan: Plan, mesh: Mesh, donate_argnums: Sequence[int] = ()):
-    """Returns a jitted function of the flattened inputs that runs `graph` under `plan`."""
-    constraints = {vid: NamedSharding(mesh, to_pspec(spec)) for vid, spec in plan.value_specs
-                   if is_numeric(graph.values[vid].dtype)}
+@dataclasses.dataclass(frozen=True, eq=False)
+class Constraints:
+    """The `with_sharding_constraint`s that pin a program to its intra-op solution: one per
+    decided value (`on_value`) and one per operand that a matmul, convolution, gather or
+    scatter reads in another layout (`on_operand`) — hooks for `autopar.interpret`."""
 
-    # Operands that a matmul/conv/gather/scatter reads in another layout are pinned too:
-    # XLA then reshards exactly as the plan priced (and on CPU, jax 0.10.2, leaving the
-    # choice to the partitioner gave wrong attention logits for one such reshard).
-    operand_constraints = {(e, k): NamedSharding(mesh, to_pspec(spec))
-                           for e, k, spec in plan.operand_specs}
-    # A move of a split between dims with several mesh axes involved goes through the
-    # gathered layout first: XLA's partitioner would replicate the whole value instead
-    # ("involuntary full rematerialization").
-    own = dict(zip(graph.invars, plan.in_specs))
-    own.update(plan.value_specs)
-    via = {}
-    for e, k, spec in plan.operand_specs:
-        op = graph.eqns[e].inputs[k]
-        src = own.get(op) if isinstance(op, int) else None
-        if src is not None and full_rematerialization(src, spec):
-            via[(e, k)] = NamedSharding(mesh, to_pspec(gather_first(src, spec)))
+    values: dict[int, NamedSharding]
+    operands: dict[tuple[int, int], NamedSharding]
+    # (equation, operand) → the gathered layout its reshard goes through first.
+    via: dict[tuple[int, int], NamedSharding] = dataclasses.field(default_factory=dict)
 
-    def on_value(vid: int, x):
-        sharding = constraints.get(vid)
-        return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+    @staticmethod
+    def build(graph: Graph, mesh: Mesh, value_specs: Iterable[tuple[int, Spec]],
+              operand_specs: Iterable[tuple[int, int, Spec]],
+              input_specs: Iterable[tuple[int, Spec]] = ()) -> Constraints:
+        """`input_specs`: (value, spec) of the program's inputs, the sources of reshards
+        that `value_specs` does not name."""
+        value_specs = list(value_specs)
+        operand_specs = list(operand_specs)
+        values = {vid: NamedSharding(mesh, to_pspec(spec)) for vid, spec in value_specs
+                  if is_numeric(graph.values[vid].dtype)}
+        # Operands that a matmul/conv/gather/scatter reads in another layout are pinned too:
+        # XLA then reshards exactly as the plan priced (and on CPU, jax 0.10.2, leaving the
+        # choice to the partitioner gave wrong attention logits for one such reshard).
+        operands = {(e, k): NamedSharding(mesh, to_pspec(spec)) for e, k, spec in operand_specs}
+        # A move of a split between dims with several mesh axes involved goes through the
+        # gathered layout first: XLA's partitioner would replicate the whole value instead
+        # ("involuntary full rematerialization").
+        own = dict(input_specs)
+        own.update(value_specs)
+        via = {}
+        for e, k, spec in operand_specs:
+            op = graph.eqns[e].inputs[k]
+            src = own.get(op) if isinstance(op, int) else None
+            if src is not None and full_rematerialization(src, spec):
+                via[(e, k)] = NamedSharding(mesh, to_pspec(gather_first(src, spec)))
+        return Constraints(values, operands, via)
 
-    def on_operand(eqn: int, k: int, x):
-        sharding = operand_constraints.get((eqn, k))
+    def on_value(self, vid: int, x: Any) -> Any:
+        sharding = self.values.get(vid)
         if sharding is None:
             return x
-        if (eqn, k) in via:
-            x = jax.lax.with_sharding_constraint(x, via[(eqn, k)])
         return jax.lax.with_sharding_constraint(x, sharding)
 
+    def on_operand(self, eqn: int, k: int, x: Any) -> Any:
+        sharding = self.operands.get((eqn, k))
+        if sharding is None:
+            return x
+        gathered = self.via.get((eqn, k))
+        if gathered is not None:
+            x = jax.lax.with_sharding_constraint(x, gathered)
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def emit(graph: Graph, plan: Plan, mesh: Mesh, donate_argnums: Sequence[int] = ()):
+    """Returns a jitted function of the flattened inputs that runs `graph` under `plan`."""
+    hooks = Constraints.build(graph, mesh, plan.value_specs, plan.operand_specs,
+                              input_specs=zip(graph.invars, plan.in_specs))
+
     def program(*flat_args):
-        return tuple(graph.evaluate(flat_args, on_value, on_operand))
+        return tuple(graph.evaluate(flat_args, hooks.on_value, hooks.on_operand))
 
     in_shardings = tuple(NamedSharding(mesh, to_pspec(s)) for s in plan.in_specs)
     out_shardings = tuple(NamedSharding(mesh, to_pspec(s)) for s in plan.out_specs)

@@ -23,6 +23,8 @@ import jax.extend.core as jcore
 import numpy as np
 from jax._src import source_info_util
 
+from .interpret import Lit, run_eqns
+
 # Primitives whose single sub-jaxpr can be inlined with the same results.
 _INLINE_JAXPR_PARAM: dict[str, str] = {
     "jit": "jaxpr",
@@ -36,15 +38,6 @@ _INLINE_JAXPR_PARAM: dict[str, str] = {
     "checkpoint": "jaxpr",
     "autopar_compute_grad": "grad_jaxpr",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Lit:
-    """A literal operand (a Python or NumPy scalar baked into the program)."""
-
-    value: Any
-    shape: tuple[int, ...]
-    dtype: Any
 
 
 Operand = int | Lit
@@ -99,6 +92,15 @@ class Eqn:
     @property
     def name(self) -> str:
         return self.primitive.name
+
+    @property
+    def invars(self) -> tuple[Operand, ...]:
+        """`inputs`, under the name `autopar.interpret` reads."""
+        return self.inputs
+
+    @property
+    def outvars(self) -> tuple[int, ...]:
+        return self.outputs
 
     def where(self) -> str:
         """The user's source line that produced this equation ("file:line (fn)")."""
@@ -332,20 +334,21 @@ class Graph:
 
     def run_eqns(self, indices: Sequence[int], env: dict[int, Any],
                  on_value: Callable[[int, Any], Any] | None = None,
-                 on_operand: Callable[[int, int, Any], Any] | None = None) -> dict[int, Any]:
+                 on_operand: Callable[[int, int, Any], Any] | None = None,
+                 override: Callable[[int, Eqn, list], Sequence[Any] | None] | None = None,
+                 ) -> dict[int, Any]:
         """Runs the equations `indices` (in order) reading and writing `env` (value id →
-        array); constants are looked up as needed.  Returns `env`."""
+        array) through `autopar.interpret.run_eqns` (hooks keyed by equation index);
+        constants are looked up as needed.  Returns `env`."""
+        indices = list(indices)
         for i in indices:
-            eqn = self.eqns[i]
-            ins = [self.read(op, env) for op in eqn.inputs]
-            if on_operand is not None:
-                ins = [on_operand(i, k, x) for k, x in enumerate(ins)]
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            for vid, out in zip(eqn.outputs, outs):
-                env[vid] = on_value(vid, out) if on_value is not None else out
+            for op in self.eqns[i].inputs:
+                if isinstance(op, int) and op not in env:
+                    const = self.values[op].const_index
+                    if const is not None:
+                        env[op] = self.consts[const]
+        run_eqns(((i, self.eqns[i]) for i in indices), env, on_operand=on_operand,
+                 on_value=on_value, override=override, keyed=True)
         return env
 
     def read(self, op: Operand, env: dict[int, Any]) -> Any:

@@ -38,7 +38,8 @@ class Method(Protocol):
       name: short name recorded in the plan ("shard", "dp", "pipeshard", ...).
       pipelined: whether the plan has pipeline stages (a `PipelineMethod`) or is one SPMD
         program on one mesh (a `MeshMethod`).
-      num_micro_batches: gradient-accumulation steps per step (the batch is split on dim 0).
+      num_micro_batches: gradient-accumulation steps per step (the batch is split on dim 0);
+        "auto" (PipeshardParallel only): the search tries counts and keeps the fastest.
       memory_budget_bytes: peak bytes per device the plan must fit (None: device memory).
       solver: sharding-solver backend (`autopar.passes.solver.BACKENDS`).
       time_limit_s: solver wall-clock limit per ILP, seconds.
@@ -48,7 +49,7 @@ class Method(Protocol):
     pipelined: ClassVar[bool]
 
     @property
-    def num_micro_batches(self) -> int: ...
+    def num_micro_batches(self) -> int | Literal["auto"]: ...
 
     @property
     def memory_budget_bytes(self) -> float | None: ...
@@ -257,7 +258,10 @@ class PipeshardParallel:
     """Pipeline stages on sub-meshes (inter-op DP), each sharded by the intra-op ILP.
 
     Attributes:
-      num_micro_batches: micro-batches per step (the batch is split on dim 0).
+      num_micro_batches: micro-batches per step (the batch is split on dim 0), or "auto":
+        the search tries divisors of the batch (`autopar.micro_batches`) and keeps the
+        fastest predicted plan that fits memory; the tries are in the plan's
+        `solver["micro_batch_tries"]`.
       num_stages: number of pipeline stages, or "auto" (the DP chooses).
       layer_num: layers the forward is clustered into, or "auto"; user cuts from
         `autopar.mark_pipeline_boundary()` take precedence.
@@ -267,7 +271,7 @@ class PipeshardParallel:
       memory_budget_bytes / solver / time_limit_s: as in ShardParallel, per stage.
     """
 
-    num_micro_batches: int = 1
+    num_micro_batches: int | Literal["auto"] = 1
     num_stages: int | Literal["auto"] = "auto"
     layer_num: int | Literal["auto"] = "auto"
     schedule: ScheduleName = "1f1b"
@@ -281,7 +285,7 @@ class PipeshardParallel:
     def __post_init__(self) -> None:
         n = type(self).__name__
         _check_common(n, self.memory_budget_bytes, self.solver, self.time_limit_s)
-        _check_count(n, "num_micro_batches", self.num_micro_batches)
+        _check_count(n, "num_micro_batches", self.num_micro_batches, allow_auto=True)
         _check_count(n, "num_stages", self.num_stages, allow_auto=True)
         _check_count(n, "layer_num", self.layer_num, allow_auto=True)
         _check_schedule(n, self.schedule)

@@ -20,6 +20,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 
 from autopar.graph import is_float
+from autopar.interpret import bind, read, run_eqns
 
 from .markers import compute_grad_p
 
@@ -83,52 +84,37 @@ def rewrite(micro: jcore.ClosedJaxpr, full_avals: Sequence[jax.ShapeDtypeStruct]
             f"of the step to run per micro-batch")
     batch_vars = {v for i, v in enumerate(jaxpr.invars) if i in batch_positions}
 
+    def per_micro(x: Any, m: int) -> Any:
+        return x.parts[m] if isinstance(x, _PerMicro) else x
+
+    def override(key: int, eqn: Any, ins: list) -> list | None:
+        if eqn.primitive is compute_grad_p:
+            results = [bind(eqn, [per_micro(x, m) for x in ins]) for m in range(num)]
+            return [_mean([r[k] for r in results]) for k in range(len(eqn.outvars))]
+        if not any(isinstance(x, _PerMicro) for x in ins):
+            return None
+        results = [bind(eqn, [per_micro(x, m) for x in ins]) for m in range(num)]
+        return [_PerMicro([r[k] for r in results]) for k in range(len(eqn.outvars))]
+
     def run(*args):
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, micro.consts))
-        per_mb: list[dict[Any, Any]] = [{} for _ in range(num)]
         for v, x in zip(jaxpr.invars, args):
-            if v in batch_vars:
-                for m in range(num):
-                    per_mb[m][v] = micro_slice(x, num, m)
-            else:
-                env[v] = x
-
-        def read(v, m=None):
-            if isinstance(v, jcore.Literal):
-                return v.val
-            if m is not None and v in per_mb[m]:
-                return per_mb[m][v]
-            return env[v]
-
-        for eqn in jaxpr.eqns:
-            derived = any(not isinstance(v, jcore.Literal) and v in per_mb[0]
-                          for v in eqn.invars)
-            if eqn.primitive is compute_grad_p:
-                results = [_bind(eqn, [read(v, m) for v in eqn.invars]) for m in range(num)]
-                for k, v in enumerate(eqn.outvars):
-                    env[v] = _mean([r[k] for r in results])
-            elif derived:
-                for m in range(num):
-                    for v, x in zip(eqn.outvars, _bind(eqn, [read(u, m) for u in eqn.invars])):
-                        per_mb[m][v] = x
-            else:
-                for v, x in zip(eqn.outvars, _bind(eqn, [read(u) for u in eqn.invars])):
-                    env[v] = x
-        outs = []
-        for v in jaxpr.outvars:
-            if not isinstance(v, jcore.Literal) and v in per_mb[0]:
-                outs.append(_mean([per_mb[m][v] for m in range(num)]))
-            else:
-                outs.append(read(v))
-        return outs
+            env[v] = (_PerMicro([micro_slice(x, num, m) for m in range(num)])
+                      if v in batch_vars else x)
+        run_eqns(jaxpr.eqns, env, override=override)
+        outs = [read(env, v) for v in jaxpr.outvars]
+        return [_mean(x.parts) if isinstance(x, _PerMicro) else x for x in outs]
 
     return jax.make_jaxpr(run)(*full_avals)
 
 
-def _bind(eqn: Any, ins: list[Any]) -> list[Any]:
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-    return list(out) if eqn.primitive.multiple_results else [out]
+class _PerMicro:
+    """A batch-dependent value: one array per micro-batch."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[Any]):
+        self.parts = parts
 
 
 def _mean(xs: list[Any]) -> Any:

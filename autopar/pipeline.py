@@ -21,6 +21,7 @@ import jax
 import jax.extend.core as jcore
 
 from autopar.graph import Graph
+from autopar.interpret import eval_jaxpr, read, run_eqns
 
 from .markers import compute_grad_p, pipeline_boundary_p
 from .microbatch import MicroBatchError, batch_derived, compute_grad_eqns
@@ -124,15 +125,8 @@ def split(step: jcore.ClosedJaxpr, batch_positions: set[int]) -> SplitStep:
     def forward(*xs):
         env = dict(consts)
         env.update(zip(inputs, xs))
-        read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
-        for i in pre:
-            e = jaxpr.eqns[i]
-            with e.ctx.manager:
-                outs = e.primitive.bind(*[read(v) for v in e.invars],
-                                        **e.primitive.get_bind_params(e.params))
-            outs = outs if e.primitive.multiple_results else [outs]
-            env.update(zip(e.outvars, outs))
-        return jcore.jaxpr_as_fun(fwd)(*[read(v) for v in eqn.invars])
+        run_eqns(((i, jaxpr.eqns[i]) for i in pre), env, keyed=True)
+        return eval_jaxpr(fwd, [read(env, v) for v in eqn.invars])
 
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs]
     forward_jaxpr = jax.make_jaxpr(forward)(*avals)

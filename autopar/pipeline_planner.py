@@ -2,15 +2,17 @@
 final intra-op pass per chosen stage (DESIGN §5).
 
 Gradients are priced as accumulated over micro-batches and reduced once per step (Alpa,
-Megatron-LM and DeepSpeed do so): a layer's parameter-gradient reduction counts 1/B per
-micro-batch (the ILP's `comm_scale`), and so does the stage's optimizer update
-(`update_time_s`).  The runtime today still reduces gradients per micro-batch.
+Megatron-LM and DeepSpeed do so, and so does the runtime, `grad_accum`): a layer's
+parameter-gradient reduction counts 1/B per micro-batch (the ILP's `comm_scale`), and so
+does the stage's optimizer update (`update_time_s`).
 
-A layer range's cost on a sub-mesh is the sum of its layers' costs, each the cheapest
-intra-op plan of that layer's forward+backward over the sub-mesh's logical shapes (layers
-with the same program text share one solve).  The stage DP (passes.inter_op) then picks
-stages and sub-meshes minimizing Σ t_i + (B − 1)·max t_i.  The chosen stages are priced
-again as a whole to fix their shardings.
+A layer range's cost on a sub-mesh and logical mesh shape is the sum of its layers' costs
+(each layer's forward+backward solved by the intra-op ILP; layers with the same program
+text share one solve) plus the resharding between its layers; a stage runs all its layers
+on one logical shape, the cheapest.  The stage DP (passes.inter_op) picks stages and
+sub-meshes minimizing Σ t_i + (B − 1)·max t_i, a stage's time including receiving its
+activations and sending their cotangents back.  The plan records every layer's solution
+(`LayerPlan`), which the runtime emits as sharding constraints.
 """
 
 from __future__ import annotations
@@ -21,18 +23,18 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-import jax
-
-from autopar.cost_model import ClusterSpec
+from autopar.cost_model import ClusterSpec, Link
+from autopar.cost_model.collectives import send_recv_s
 from autopar.cost_model.compute import compute_time_s
 from autopar.graph import Graph
 from autopar.passes import inter_op, intra_op, layering
-from autopar.passes.sharding_spec import MeshContext, Spec
+from autopar.passes.sharding_spec import MeshContext, Spec, reshard_s
 
 from . import pipeline
+from .layer import LayerProgram, differentiable_values
 from .methods import PipelineMethod
-from .plan import Plan, PredictedCost, StagePlan
-from .runtime import StageFunction
+from .plan import LayerPlan, Plan, PredictedCost, StagePlan
+from .solve_pool import SolvePool
 
 # Layer costs only rank stage layouts: a short solver limit per layer solve (the solver then
 # returns its best incumbent) keeps dozens of layer solves affordable.  Seconds.
@@ -43,8 +45,13 @@ LAYER_TIME_LIMIT_S = 1.0
 class _Priced:
     """One layer range's forward+backward solved on one logical mesh.
 
-    `input_specs` is aligned with the range's `StageProgram.inputs` (sorted value ids), so a
-    result cached for one layer applies position by position to an identical layer.
+    The per-value tuples are positional — `input_specs` and `ct_out_specs` aligned with the
+    range's `StageProgram.inputs`, `output_specs` and `ct_in_specs` with its `outputs`
+    (sorted value ids) — so a result cached for one layer applies position by position to
+    an identical layer.  `ct_out_specs[k]` is the layout the backward gives input k's
+    cotangent in (None: no cotangent); `ct_in_specs[k]` the layout it wants output k's in.
+    `value_specs` / `operand_specs` are the solution over the layer's forward+backward
+    program (ids of that program, the same for identical layers).
     """
 
     cost_s: float
@@ -52,13 +59,17 @@ class _Priced:
     mesh: MeshContext
     input_specs: tuple[Spec, ...]
     residual_bytes: float = 0.0
+    output_specs: tuple[Spec, ...] = ()
+    ct_out_specs: tuple[Spec | None, ...] = ()
+    ct_in_specs: tuple[Spec | None, ...] = ()
+    value_specs: tuple[tuple[int, Spec], ...] = ()
+    operand_specs: tuple[tuple[int, int, Spec], ...] = ()
+    num_values: int = 0
 
 
 def diff_values(split: pipeline.SplitStep, graph: Graph) -> set[int]:
-    """Value ids that carry gradients: differentiated F inputs and stage-produced values."""
-    out = {graph.invars[j] for j in split.diff_inputs}
-    out.update(o for e in graph.eqns for o in e.outputs)
-    return out
+    """Value ids of F that carry gradients (`layer.differentiable_values`)."""
+    return differentiable_values(graph, [graph.invars[j] for j in split.diff_inputs])
 
 
 def logical_shapes(submesh: tuple[int, int]) -> list[tuple[int, ...]]:
@@ -73,13 +84,22 @@ def logical_shapes(submesh: tuple[int, int]) -> list[tuple[int, ...]]:
 
 
 def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
-                cluster: ClusterSpec, submesh: tuple[int, int], *, solver: str,
-                time_limit_s: float, batch_size: int | None,
-                forced_batch_axis: bool = False,
-                shapes: Sequence[tuple[int, ...]] | None = None,
-                input_rule: Callable[[int, MeshContext], Spec | None] | None = None,
-                remat: bool = False, num_micro_batches: int = 1
+                cluster: ClusterSpec, submesh: tuple[int, int], **kw
                 ) -> dict[tuple[int, ...], _Priced]:
+    """`start_price_stage(...)()`: the layer range priced on every logical shape."""
+    return start_price_stage(graph, program, diff, cluster, submesh, **kw)()
+
+
+def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
+                      cluster: ClusterSpec, submesh: tuple[int, int], *, solver: str,
+                      time_limit_s: float, batch_size: int | None,
+                      forced_batch_axis: bool = False,
+                      shapes: Sequence[tuple[int, ...]] | None = None,
+                      input_rule: Callable[[int, MeshContext], Spec | None] | None = None,
+                      remat: bool = False, num_micro_batches: int = 1,
+                      layer: LayerProgram | None = None,
+                      submit: intra_op.Submit | None = None
+                      ) -> Callable[[], dict[tuple[int, ...], _Priced]]:
     """Intra-op plans of one layer range's forward+backward on a sub-mesh, one per logical
     mesh shape (`shapes`, default: 1-D and every 2-D factorization).
 
@@ -89,13 +109,15 @@ def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
     With `num_micro_batches` B > 1 the ILP discounts the communication of the matmuls
     producing parameter gradients by 1/B (gradients accumulate locally and are reduced once
     per step), so it chooses layouts for the amortized cost; `cost_s` is per micro-batch
-    with that reduction amortized."""
-    fn = StageFunction.build(graph, program, diff, remat=remat)
-    vals = graph.values
-    avals = lambda ids: [jax.ShapeDtypeStruct(vals[v].shape, vals[v].dtype) for v in ids]
-    closed = jax.make_jaxpr(fn.forward_backward)(avals(fn.diff_ids), avals(fn.nondiff_ids),
-                                                 avals(fn.float_outs))
-    fb = Graph.from_jaxpr(closed)
+    with that reduction amortized.
+
+    `layer` is `LayerProgram.build(graph, program, diff, remat=remat)` when the caller
+    already has it (one trace serves every sub-mesh).  The problems are built now and
+    handed to `submit` (solved elsewhere, `autopar.solve_pool`) when given; the returned
+    function waits for their answers and gives the plans."""
+    if layer is None:
+        layer = LayerProgram.build(graph, program, diff, remat=remat)
+    fn, fb = layer.fn, layer.fb
     f_ids = list(fn.diff_ids) + list(fn.nondiff_ids)
     position = {vid: k for k, vid in enumerate(f_ids)}
     params = set(graph.invars) & set(fn.diff_ids)
@@ -105,7 +127,7 @@ def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
                                        fn.diff_ids) if vid in params and isinstance(op, int)]
     scale = ({i: 1.0 / num_micro_batches for i in _gradient_matmuls(fb, grad_outs)}
              if num_micro_batches > 1 and fn.diff_ids else {})
-    out = {}
+    pending = []
     for shape in shapes or logical_shapes(submesh):
         mesh = MeshContext.build(shape, sub)
         forced = {}
@@ -120,14 +142,36 @@ def price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[int],
                 if pos >= len(fn.diff_ids) and v.shape and v.shape[0] == batch_size \
                         and batch_size % shape[0] == 0:
                     forced[vid] = ((mesh.axes[0],),) + ((),) * (v.ndim - 1)
-        res = intra_op.run(fb, mesh, forced=forced, batch_size=batch_size, solver=solver,
-                           time_limit_s=time_limit_s, comm_scale=scale)
-        specs = tuple(res.value_specs[fb.invars[position[vid]]] for vid in program.inputs)
-        out[shape] = _Priced(res.cost_s, res.memory_bytes, mesh, specs,
-                             _residual_bytes(fb, res.value_specs,
-                                             len(fn.float_outs) + len(fn.int_outs),
-                                             per_micro_inputs, mesh))
-    return out
+        pending.append((shape, mesh, intra_op.start(
+            fb, mesh, forced=forced, batch_size=batch_size, solver=solver,
+            time_limit_s=time_limit_s, comm_scale=scale, submit=submit)))
+    return lambda: {shape: _priced(graph, program, layer, position, per_micro_inputs, mesh,
+                                   run.result()) for shape, mesh, run in pending}
+
+
+def _priced(graph: Graph, program: pipeline.StageProgram, layer: LayerProgram,
+            position: dict[int, int], per_micro_inputs: set[int], mesh: MeshContext,
+            res: intra_op.IntraOpResult) -> _Priced:
+    """A layer range's intra-op solution on one logical mesh, read positionally."""
+    fn, fb = layer.fn, layer.fb
+    f_ids = list(fn.diff_ids) + list(fn.nondiff_ids)
+    vs = res.value_specs
+    specs = tuple(vs[fb.invars[position[vid]]] for vid in program.inputs)
+    outs = dict(zip(list(fn.float_outs) + list(fn.int_outs), fb.outvars))
+    cts_out = dict(zip(fn.diff_ids, fb.outvars[layer.num_outs:]))
+    cts_in = dict(zip(fn.float_outs, fb.invars[len(f_ids):]))
+    spec_of = lambda op: vs.get(op) if isinstance(op, int) else None
+    return _Priced(
+        res.cost_s, res.memory_bytes, mesh, specs,
+        _residual_bytes(fb, vs, layer.num_outs, per_micro_inputs, mesh),
+        output_specs=tuple(spec_of(outs[v]) or ((),) * graph.values[v].ndim
+                           for v in program.outputs),
+        ct_out_specs=tuple(spec_of(cts_out[v]) if v in cts_out else None
+                           for v in program.inputs),
+        ct_in_specs=tuple(spec_of(cts_in[v]) if v in cts_in else None
+                          for v in program.outputs),
+        value_specs=tuple(sorted(vs.items())), operand_specs=res.operand_specs,
+        num_values=len(fb.values))
 
 
 def _residual_bytes(fb: Graph, specs, num_primal_outs: int, kept_inputs: set[int],
@@ -222,92 +266,154 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         else inter_op.submesh_shapes(hosts, per_host))
     fixed_shape = [layout.logical_shape] if layout.logical_shape is not None else None
 
-    def layer_options(layer: int, submesh: tuple[int, int]) -> dict[tuple[int, ...], _Priced]:
-        prog = layer_programs[layer]
-        key = (_program_key(graph, prog), submesh)
+    program_keys: dict[int, str] = {}
+    # Identical layers share one trace of their forward+backward (that of the first).
+    traced_layers: dict[str, tuple[pipeline.StageProgram, LayerProgram]] = {}
+
+    started: dict[tuple[str, tuple[int, int]], Callable[[], dict]] = {}
+    pool = SolvePool()
+
+    def start_layer(layer: int, submesh: tuple[int, int]) -> tuple[str, tuple[int, int]]:
+        """Builds the layer's ILPs on `submesh` and hands them to the pool (once per
+        distinct layer program and sub-mesh); returns the cache key."""
+        if layer not in program_keys:
+            program_keys[layer] = _program_key(graph, layer_programs[layer], diff)
+        pkey = program_keys[layer]
+        key = (pkey, submesh)
         layer_seen.add((layer, submesh))
-        if key not in layer_cache:
+        if key not in layer_cache and key not in started:
             if progress:
                 progress(f"layer ILP {len(layer_seen)}/{layer_pairs}: layer {layer} on "
                          f"sub-mesh {submesh}")
-            layer_cache[key] = price_stage(graph, prog, diff, cluster, submesh,
-                                           forced_batch_axis=layout.batch_axis,
-                                           shapes=fixed_shape,
-                                           remat=split.remat,
-                                           num_micro_batches=method.num_micro_batches,
-                                           **layer_kw)
+            if pkey not in traced_layers:
+                prog = layer_programs[layer]
+                traced_layers[pkey] = (prog, LayerProgram.build(graph, prog, diff,
+                                                                remat=split.remat))
+            prog, traced = traced_layers[pkey]
+            started[key] = start_price_stage(
+                graph, prog, diff, cluster, submesh, forced_batch_axis=layout.batch_axis,
+                shapes=fixed_shape, remat=split.remat,
+                num_micro_batches=method.num_micro_batches, layer=traced,
+                submit=pool.submit, **layer_kw)
+        return key
+
+    def layer_options(layer: int, submesh: tuple[int, int]) -> dict[tuple[int, ...], _Priced]:
+        key = start_layer(layer, submesh)
+        if key not in layer_cache:
+            layer_cache[key] = started.pop(key)()
+            if progress:
+                best = min(layer_cache[key].values(), key=lambda p: p.cost_s)
+                progress(f"layer ILP {len(layer_cache)} solved: layer {layer} on sub-mesh "
+                         f"{submesh}, best {best.cost_s * 1e3:.3f} ms/mb on {best.mesh.shape}")
         return layer_cache[key]
 
     micro = method.num_micro_batches
+    link = cluster.inter_host if hosts > 1 else cluster.intra_host
 
-    def layer_cost(layer: int, submesh: tuple[int, int]) -> _Priced:
-        return _cheapest(layer_options(layer, submesh))
-
-    t_phase = time.perf_counter()
-    if layout.equal_layers:
-        bounds = inter_op.equal_ranges(lay.num_layers, len(layout.submesh_shapes))
-        choice = list(zip(bounds, layout.submesh_shapes))
-    elif layout.submesh_shapes is not None:
-        choice = _best_split(lay.num_layers, list(layout.submesh_shapes), layer_cost, micro)
-        phases["layer ILPs + stage split"] = time.perf_counter() - t_phase
-    else:
-        submeshes = inter_op.submesh_shapes(hosts, per_host)
-
-        def stage_cost(i: int, j: int, s: int) -> float | None:
-            priced = [layer_cost(layer, submeshes[s]) for layer in range(i, j + 1)]
-            # The stage's position is not known here: assume as many stages in flight as
-            # stages of this size would fill the devices.
-            in_flight = max(1, n // (submeshes[s][0] * submeshes[s][1]))
-            progs = [layer_programs[k] for k in range(i, j + 1)]
-            if stage_memory_bytes(priced, progs, params, graph, micro, in_flight,
-                                  state_bytes_per_param_byte) > budget:
-                return None
+    def stage_options(i: int, j: int, submesh: tuple[int, int]) -> list[_StageEstimate]:
+        """Layers i..j on `submesh`, one estimate per logical shape (all layers of a stage
+        share its mesh)."""
+        progs = [layer_programs[k] for k in range(i, j + 1)]
+        options = [layer_options(k, submesh) for k in range(i, j + 1)]
+        out = []
+        for shape in options[0]:
+            priced = [o[shape] for o in options]
             update = update_time_s(held_param_bytes(priced, progs, params, graph),
                                    state_bytes_per_param_byte, cluster)
-            return sum(p.cost_s for p in priced) + update / micro
+            out.append(_StageEstimate(
+                priced, progs, sum(p.cost_s for p in priced)
+                + internal_reshard_s(priced, progs, graph) + update / micro))
+        return out
 
-        result = inter_op.run(lay.num_layers, submeshes, stage_cost, num_devices=n,
-                              num_micro_batches=micro,
-                              num_stages=layout.num_stages)
-        choice = [(st.layers, st.submesh) for st in result.stages]
-        # inter_op fills its cost table (the layer ILPs) before the DP proper.
-        phases["layer ILPs"] = result.stats["cost_s"]
-        phases["stage DP"] = result.stats["seconds"] - result.stats["cost_s"]
+    def fitting(options: list[_StageEstimate], in_flight: int) -> _StageEstimate | None:
+        ok = [o for o in options if stage_memory_bytes(
+            o.priced, o.programs, params, graph, micro, in_flight,
+            state_bytes_per_param_byte) <= budget]
+        return min(ok, key=lambda o: o.cost_s) if ok else None
+
+    def range_cost(i: int, j: int, submesh: tuple[int, int]) -> float | None:
+        # The stage's position is not known here: assume as many stages in flight as
+        # stages of this size would fill the devices, and its inputs arriving over the
+        # slowest link of the cluster.
+        size = submesh[0] * submesh[1]
+        best = fitting(stage_options(i, j, submesh), max(1, n // size))
+        if best is None:
+            return None
+        if (i, j) not in received:
+            prog = pipeline.program_for_range(graph, ranges[i][0], ranges[j][1])
+            received[(i, j)] = [v for v in prog.inputs if v in activations]
+        recv = sum(transfer_s(graph.values[v].nbytes, size, size, link) * (1 + (v in diff))
+                   for v in received[(i, j)])
+        return best.cost_s + recv
+
+    activations = {o for e in graph.eqns for o in e.outputs}
+    received: dict[tuple[int, int], list[int]] = {}
+    t_phase = time.perf_counter()
+    try:
+        # Every layer is priced on every sub-mesh in play: build all the ILPs up front so the
+        # pool solves them while the rest are built (and the DP then waits on the answers).
+        for submesh in sorted(set(layout.submesh_shapes) if layout.submesh_shapes is not None
+                              else inter_op.submesh_shapes(hosts, per_host)):
+            for layer in range(lay.num_layers):
+                start_layer(layer, submesh)
+        phases["layer ILP builds"] = time.perf_counter() - t_phase
+        if layout.equal_layers:
+            bounds = inter_op.equal_ranges(lay.num_layers, len(layout.submesh_shapes))
+            choice = list(zip(bounds, layout.submesh_shapes))
+        elif layout.submesh_shapes is not None:
+            choice = _best_split(lay.num_layers, list(layout.submesh_shapes), range_cost, micro)
+            phases["layer ILPs + stage split"] = time.perf_counter() - t_phase
+        else:
+            submeshes = inter_op.submesh_shapes(hosts, per_host)
+            result = inter_op.run(lay.num_layers, submeshes,
+                                  lambda i, j, s: range_cost(i, j, submeshes[s]), num_devices=n,
+                                  num_micro_batches=micro, num_stages=layout.num_stages)
+            choice = [(st.layers, st.submesh) for st in result.stages]
+            # inter_op fills its cost table (the layer ILPs) before the DP proper.
+            phases["layer ILPs"] = result.stats["cost_s"]
+            phases["stage DP"] = result.stats["seconds"] - result.stats["cost_s"]
+    except BaseException:
+        pool.close(cancel=True)
+        raise
+    pool.close()  # waits for solves still queued (their answers are cached)
     if progress:
         progress(f"stages chosen: {[c[0] for c in choice]}")
     devices = inter_op.assign_devices([s for _, s in choice], hosts, per_host)
-    stages = []
+    stages: list[StagePlan] = []
     t_phase = time.perf_counter()
     for (layers, submesh), devs in zip(choice, devices):
-        # A stage is assembled from its layers' solutions on one logical mesh (the one its
-        # layers mostly preferred): the stage inputs take the specs of the layer reading
-        # them first; time and memory add up over the layers.
-        members = range(layers[0], layers[1] + 1)
-        shape = _preferred_shape([layer_cost(layer, submesh) for layer in members])
+        # A stage is its layers' solutions on the cheapest logical mesh that fits; the stage
+        # inputs take the specs of the layer reading them first.
+        in_flight = len(choice) - len(stages)
+        options = stage_options(layers[0], layers[1], submesh)
+        best = fitting(options, in_flight) or min(options, key=lambda o: o.cost_s)
         start, stop = ranges[layers[0]][0], ranges[layers[1]][1]
         prog = pipeline.program_for_range(graph, start, stop)
         wanted = set(prog.inputs)
         specs: dict[int, Spec] = {}
-        cost = 0.0
-        members_priced = [layer_options(layer, submesh)[shape] for layer in members]
-        memory = stage_memory_bytes(members_priced, [layer_programs[k] for k in members], params,
-                                    graph, micro, len(choice) - len(stages),
-                                    state_bytes_per_param_byte)
-        for layer, priced in zip(members, members_priced):
-            cost += priced.cost_s
-            for vid, spec in zip(layer_programs[layer].inputs, priced.input_specs):
+        for lp, priced in zip(best.programs, best.priced):
+            for vid, spec in zip(lp.inputs, priced.input_specs):
                 if vid in wanted:
                     specs.setdefault(vid, spec)
-        mesh = layer_options(layers[0], submesh)[shape].mesh
+        mesh = best.priced[0].mesh
+        layer_plans = tuple(
+            LayerPlan(eqn_range=ranges[k], value_specs=p.value_specs,
+                      operand_specs=p.operand_specs, num_values=p.num_values,
+                      predicted_s=p.cost_s)
+            for k, p in zip(range(layers[0], layers[1] + 1), best.priced))
         stages.append(StagePlan(
             layers=tuple(layers), eqn_range=(start, stop),
             device_ids=tuple(device_ids[d] for d in devs), mesh_shape=mesh.shape,
             mesh_axes=mesh.axes, input_specs=tuple(sorted(specs.items())),
-            predicted_s=cost, memory_bytes=memory))
+            predicted_s=best.cost_s,
+            memory_bytes=stage_memory_bytes(best.priced, best.programs, params, graph, micro,
+                                            in_flight, state_bytes_per_param_byte),
+            layer_plans=layer_plans))
+    stages, per_step_s = _with_transfers(stages, graph, diff, params, cluster, per_host)
     phases["stage assembly"] = time.perf_counter() - t_phase
     times = [st.predicted_s for st in stages]
-    step_s = sum(times) + (micro - 1) * max(times)
-    compute = sum(st.predicted_s for st in stages)
+    step_s = sum(times) + (micro - 1) * max(times) + per_step_s
+    compute = sum(st.predicted_s - st.transfer_s for st in stages)
     return Plan(
         fingerprint=fp, method=method.name, cluster=cluster.name, mesh_shape=(n,),
         mesh_axes=("x",), device_ids=tuple(device_ids), input_names=tuple(input_names),
@@ -317,8 +423,87 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                                 max(st.memory_bytes for st in stages), graph.total_flops() * 3),
         solver={"layers": lay.num_layers, "layering": lay.source,
                 "layer_solves": len(layer_cache), "search_s": time.perf_counter() - t0,
-                "phases_s": phases},
+                "phases_s": phases, "per_step_transfer_s": per_step_s},
         stages=tuple(stages), num_micro_batches=micro, schedule=method.schedule)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StageEstimate:
+    """Layers of a stage priced on one logical mesh: their solutions, programs and the
+    stage's seconds per micro-batch (layers + resharding between them + amortized update,
+    transfers from other stages not included)."""
+
+    priced: list[_Priced]
+    programs: list[pipeline.StageProgram]
+    cost_s: float
+
+
+def internal_reshard_s(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
+                       graph: Graph) -> float:
+    """Seconds per micro-batch of resharding between the layers of one stage: a value one
+    layer makes in one layout and a later one reads in another (and its cotangent on the
+    way back), and a stage input read by several layers in different layouts."""
+    out_spec: dict[int, Spec] = {}
+    ct_in_spec: dict[int, Spec] = {}
+    first: dict[int, Spec] = {}
+    total = 0.0
+    for p, prog in zip(priced, programs):
+        for vid, spec, ct_spec in zip(prog.inputs, p.input_specs, p.ct_out_specs):
+            nbytes = graph.values[vid].nbytes
+            if vid in out_spec:
+                total += reshard_s(out_spec[vid], spec, nbytes, p.mesh)
+                if ct_spec is not None and vid in ct_in_spec:
+                    total += reshard_s(ct_spec, ct_in_spec[vid], nbytes, p.mesh)
+            elif vid in first:
+                total += reshard_s(first[vid], spec, nbytes, p.mesh)
+            else:
+                first[vid] = spec
+        out_spec.update(zip(prog.outputs, p.output_specs))
+        ct_in_spec.update((v, c) for v, c in zip(prog.outputs, p.ct_in_specs) if c is not None)
+    return total
+
+
+def transfer_s(nbytes: float, src_devices: int, dst_devices: int, link: Link) -> float:
+    """Seconds to move a value of `nbytes` between two sub-meshes over `link`: the devices
+    move their shares in parallel, as many pairs as the smaller side has devices."""
+    return send_recv_s(nbytes / max(1, min(src_devices, dst_devices)), 2, link)
+
+
+def _stage_link(a: Sequence[int], b: Sequence[int], cluster: ClusterSpec,
+                per_host: int) -> Link:
+    hosts = {d // per_host for d in a} | {d // per_host for d in b}
+    return cluster.intra_host if len(hosts) == 1 else cluster.inter_host
+
+
+def _with_transfers(stages: list[StagePlan], graph: Graph, diff: set[int], params: set[int],
+                    cluster: ClusterSpec, per_host: int) -> tuple[list[StagePlan], float]:
+    """The stages with the seconds per micro-batch of receiving their activations (and
+    sending the cotangents back) added, and the seconds per step of moving values several
+    stages read (a tied embedding) to them and their gradients back."""
+    made_by: dict[int, int] = {}
+    reader: dict[int, int] = {}
+    out, per_step = [], 0.0
+    for k, st in enumerate(stages):
+        prog = pipeline.program_for_range(graph, *st.eqn_range)
+        seconds = 0.0
+        for v in prog.inputs:
+            nbytes = graph.values[v].nbytes
+            src = made_by.get(v, reader.get(v))
+            if src is None:
+                reader[v] = k
+                continue
+            src_devs = stages[src].device_ids
+            link = _stage_link(src_devs, st.device_ids, cluster, per_host)
+            moved = transfer_s(nbytes, len(src_devs), len(st.device_ids), link)
+            back = moved if v in diff and (v in made_by or v in params) else 0.0
+            if v in made_by:
+                seconds += moved + back
+            else:
+                per_step += moved + back
+        made_by.update((o, k) for o in prog.outputs)
+        out.append(dataclasses.replace(st, predicted_s=st.predicted_s + seconds,
+                                       transfer_s=seconds))
+    return out, per_step
 
 
 def held_param_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
@@ -353,17 +538,9 @@ def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.St
             + (min(in_flight, micro) - 1) * sum(p.residual_bytes for p in priced))
 
 
-def _preferred_shape(priced: Sequence[_Priced]) -> tuple[int, ...]:
-    """The logical mesh shape with the largest share of the layers' predicted time."""
-    weight: dict[tuple[int, ...], float] = {}
-    for p in priced:
-        shape = p.mesh.shape
-        weight[shape] = weight.get(shape, 0.0) + p.cost_s
-    return max(weight, key=weight.get)
-
-
-def _program_key(graph: Graph, prog: pipeline.StageProgram) -> str:
-    """Identity of a layer for caching: its equations' text with value ids renumbered."""
+def _program_key(graph: Graph, prog: pipeline.StageProgram, diff: set[int]) -> str:
+    """Identity of a layer for caching: its equations' text with value ids renumbered, and
+    which inputs carry gradients."""
     ren: dict[int, int] = {}
 
     def name(v):
@@ -376,24 +553,27 @@ def _program_key(graph: Graph, prog: pipeline.StageProgram) -> str:
         outs = [f"{name(o)}:{graph.values[o].shape}" for o in e.outputs]
         lines.append(f"{outs}={e.name}{sorted(e.params.items())!r}{ins}")
     lines.append(str([name(o) for o in prog.outputs]))
+    lines.append(str([v in diff for v in prog.inputs]))
     return "\n".join(lines)
 
 
 def _best_split(num_layers: int, shapes: list[tuple[int, int]],
-                layer_cost: Callable[[int, tuple[int, int]], _Priced],
+                range_cost: Callable[[int, int, tuple[int, int]], float | None],
                 micro: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """Contiguous layer ranges for fixed, ordered sub-meshes minimizing
-    Σ t + (B − 1)·max t (exhaustive: the number of stages is small)."""
+    Σ t + (B − 1)·max t (exhaustive: the number of stages is small); a range that does
+    not fit its sub-mesh's memory costs infinity (the cheapest split is kept if none
+    fits)."""
     k = len(shapes)
     if k > num_layers:
         raise ValueError(f"{k} sub-meshes given but the forward has only {num_layers} layers")
     best, best_cost = None, math.inf
     for cuts in itertools.combinations(range(1, num_layers), k - 1):
         edges = (0, *cuts, num_layers)
-        times = [sum(layer_cost(layer, shapes[s]).cost_s
-                     for layer in range(edges[s], edges[s + 1])) for s in range(k)]
+        costs = [range_cost(edges[s], edges[s + 1] - 1, shapes[s]) for s in range(k)]
+        times = [math.inf if c is None else c for c in costs]
         cost = sum(times) + (micro - 1) * max(times)
-        if cost < best_cost:
+        if best is None or cost < best_cost:
             best_cost = cost
             best = [((edges[s], edges[s + 1] - 1), shapes[s]) for s in range(k)]
     return best

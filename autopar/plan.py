@@ -43,6 +43,46 @@ class PredictedCost:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """One layer of a pipeline stage, run under its own intra-op solution.
+
+    The layer's program is the forward+backward of F's equations `eqn_range` (traced the
+    same way by the planner and the runtime, so value ids agree); its specs are on the
+    stage's mesh.
+
+    Attributes:
+      eqn_range: F's equations [start, stop) of the layer.
+      value_specs: (value id, spec) of every value of the layer's forward+backward program.
+      operand_specs: (equation, operand position, spec) of operands that a matmul,
+        convolution, gather or scatter reads in a layout other than their own.
+      num_values: values in the layer's forward+backward program (checked when the runtime
+        traces it again).
+      predicted_s: predicted seconds of one micro-batch's forward + backward of the layer.
+    """
+
+    eqn_range: tuple[int, int]
+    value_specs: tuple[tuple[int, Spec], ...]
+    operand_specs: tuple[tuple[int, int, Spec], ...]
+    num_values: int
+    predicted_s: float
+
+    def solution_json(self) -> dict[str, Any]:
+        """The part identical layers share (stored once in a plan file)."""
+        return {"value_specs": [[v, spec_to_json(s)] for v, s in self.value_specs],
+                "operand_specs": [[e, k, spec_to_json(sp)] for e, k, sp in self.operand_specs],
+                "num_values": self.num_values}
+
+    @staticmethod
+    def from_json(d: dict[str, Any], solution: dict[str, Any]) -> LayerPlan:
+        return LayerPlan(
+            eqn_range=tuple(int(x) for x in d["eqn_range"]),
+            value_specs=tuple((int(v), spec_from_json(s)) for v, s in solution["value_specs"]),
+            operand_specs=tuple((int(e), int(k), spec_from_json(sp))
+                                for e, k, sp in solution["operand_specs"]),
+            num_values=int(solution["num_values"]), predicted_s=float(d["predicted_s"]))
+
+
+@dataclasses.dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage.
 
@@ -52,8 +92,14 @@ class StagePlan:
       device_ids: the stage's devices, in mesh order.
       mesh_shape / mesh_axes: the stage's logical mesh.
       input_specs: (forward value id, spec) of every stage input.
-      predicted_s: predicted seconds of one micro-batch's forward + backward.
-      memory_bytes: predicted peak bytes per device for one micro-batch.
+      predicted_s: predicted seconds of one micro-batch's forward + backward, resharding
+        between its layers and receiving its inputs (and sending their cotangents back)
+        included.
+      memory_bytes: predicted peak bytes per device.
+      layer_plans: the stage's layers, in order, each with its intra-op solution (empty in
+        hand-written plans: the runtime then lets XLA lay the stage out).
+      transfer_s: of `predicted_s`, seconds per micro-batch spent receiving the stage's
+        activations from earlier stages and sending their cotangents back.
     """
 
     layers: tuple[int, int]
@@ -64,16 +110,38 @@ class StagePlan:
     input_specs: tuple[tuple[int, Spec], ...]
     predicted_s: float
     memory_bytes: float
+    layer_plans: tuple[LayerPlan, ...] = ()
+    transfer_s: float = 0.0
 
-    def to_json(self) -> dict[str, Any]:
-        return {"layers": list(self.layers), "eqn_range": list(self.eqn_range),
-                "device_ids": list(self.device_ids), "mesh_shape": list(self.mesh_shape),
-                "mesh_axes": list(self.mesh_axes),
-                "input_specs": [[v, spec_to_json(s)] for v, s in self.input_specs],
-                "predicted_s": self.predicted_s, "memory_bytes": self.memory_bytes}
+    def to_json(self, solutions: dict[str, int] | None = None) -> dict[str, Any]:
+        """JSON; with `solutions` (solution text → index, filled here), identical layer
+        solutions are stored once by the plan and referenced by index."""
+        out: dict[str, Any] = {
+            "layers": list(self.layers), "eqn_range": list(self.eqn_range),
+            "device_ids": list(self.device_ids), "mesh_shape": list(self.mesh_shape),
+            "mesh_axes": list(self.mesh_axes),
+            "input_specs": [[v, spec_to_json(s)] for v, s in self.input_specs],
+            "predicted_s": self.predicted_s, "memory_bytes": self.memory_bytes,
+            "transfer_s": self.transfer_s}
+        if solutions is not None:
+            layers = []
+            for lp in self.layer_plans:
+                key = json.dumps(lp.solution_json(), sort_keys=True)
+                index = solutions.setdefault(key, len(solutions))
+                layers.append({"eqn_range": list(lp.eqn_range), "predicted_s": lp.predicted_s,
+                               "solution": index})
+            out["layer_plans"] = layers
+        return out
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> StagePlan:
+    def from_json(d: dict[str, Any], solutions: Sequence[dict[str, Any]] = ()) -> StagePlan:
+        layer_plans = []
+        for lp in d.get("layer_plans", []):
+            k = int(lp["solution"])
+            if not 0 <= k < len(solutions):
+                raise PlanError(f"stage layer_plans: solution {k} does not exist "
+                                f"({len(solutions)} layer solutions in the file)")
+            layer_plans.append(LayerPlan.from_json(lp, solutions[k]))
         return StagePlan(
             layers=tuple(int(x) for x in d["layers"]),
             eqn_range=tuple(int(x) for x in d["eqn_range"]),
@@ -81,7 +149,8 @@ class StagePlan:
             mesh_shape=tuple(int(x) for x in d["mesh_shape"]),
             mesh_axes=tuple(str(a) for a in d["mesh_axes"]),
             input_specs=tuple((int(v), spec_from_json(s)) for v, s in d["input_specs"]),
-            predicted_s=float(d["predicted_s"]), memory_bytes=float(d["memory_bytes"]))
+            predicted_s=float(d["predicted_s"]), memory_bytes=float(d["memory_bytes"]),
+            layer_plans=tuple(layer_plans), transfer_s=float(d.get("transfer_s", 0.0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +200,8 @@ class Plan:
     # ---- JSON -----------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
+        solutions: dict[str, int] = {}
+        stages = [st.to_json(solutions) for st in self.stages]
         return {
             "format_version": self.format_version,
             "fingerprint": self.fingerprint,
@@ -146,7 +217,8 @@ class Plan:
             "predicted": dataclasses.asdict(self.predicted),
             "solver": _jsonable(self.solver),
             "candidates": [[list(shape), cost] for shape, cost in self.candidates],
-            "stages": [st.to_json() for st in self.stages],
+            "stages": stages,
+            "layer_solutions": [json.loads(k) for k in solutions],
             "num_micro_batches": self.num_micro_batches,
             "schedule": self.schedule,
             "operand_specs": [[e, k, spec_to_json(sp)] for e, k, sp in self.operand_specs],
@@ -174,7 +246,8 @@ class Plan:
                 solver=dict(data.get("solver", {})),
                 candidates=tuple((tuple(int(n) for n in shape), float(cost))
                                  for shape, cost in data.get("candidates", [])),
-                stages=tuple(StagePlan.from_json(st) for st in data.get("stages", [])),
+                stages=tuple(StagePlan.from_json(st, data.get("layer_solutions", []))
+                             for st in data.get("stages", [])),
                 num_micro_batches=int(data.get("num_micro_batches", 1)),
                 schedule=str(data.get("schedule", "")),
                 operand_specs=tuple((int(e), int(k), spec_from_json(sp))
@@ -336,6 +409,19 @@ def _verify_stages(plan: Plan, num_devices: int,
             raise PlanError(f"{where}.eqn_range {st.eqn_range} does not start where stage "
                             f"{k - 1} stops ({plan.stages[k - 1].eqn_range[1]})")
         sizes = dict(zip(st.mesh_axes, st.mesh_shape))
+        if st.layer_plans:
+            bounds = [lp.eqn_range for lp in st.layer_plans]
+            if (bounds[0][0], bounds[-1][1]) != tuple(st.eqn_range) or any(
+                    a[1] != b[0] or a[0] >= a[1] for a, b in zip(bounds, bounds[1:])):
+                raise PlanError(f"{where}.layer_plans: layer ranges {bounds} do not cut the "
+                                f"stage's eqn_range {st.eqn_range} into contiguous layers")
+            for j, lp in enumerate(st.layer_plans):
+                for vid, spec in lp.value_specs:
+                    _check_spec(f"{where}.layer_plans[{j}].value_specs[v{vid}]", spec, None,
+                                sizes)
+                for e, k, spec in lp.operand_specs:
+                    _check_spec(f"{where}.layer_plans[{j}].operand_specs[equation {e}, "
+                                f"operand {k}]", spec, None, sizes)
         for vid, spec in st.input_specs:
             field = f"{where}.input_specs[v{vid}]"
             if value_shapes is None:

@@ -15,10 +15,11 @@ import jax
 from autopar.cost_model import ClusterSpec
 from autopar.graph import Graph, Lit
 from autopar.passes import intra_op
-from autopar.passes.sharding_spec import MeshContext
+from autopar.passes.sharding_spec import MeshContext, Spec
 
 from .methods import Method, Role
 from .plan import Plan, PredictedCost
+from .solve_pool import SolvePool
 
 # Equations through which a parameter reaches its use unchanged in layout.
 _PASS_THROUGH = frozenset({"convert_element_type", "reshape", "transpose", "broadcast_in_dim",
@@ -101,21 +102,38 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
         budget = cluster.memory_bytes
     results, errors = [], []
     shapes = method.mesh_shapes(n)
-    for k, shape in enumerate(shapes):
-        if progress:
-            progress(f"mesh ILP {k + 1}/{len(shapes)}: logical mesh {shape}")
-        mesh = MeshContext.build(shape, cluster)
-        forced_pos = method.forced_specs(program.in_shapes, program.roles, mesh)
-        forced = {graph.invars[pos]: spec for pos, spec in forced_pos.items()}
-        ties = [(out_pos, graph.invars[in_pos]) for out_pos, in_pos in program.ties]
-        try:
-            res = intra_op.run(graph, mesh, forced=forced, ties=ties,
-                               memory_budget_bytes=budget, batch_size=program.batch_size,
-                               solver=method.solver, time_limit_s=method.time_limit_s)
-        except intra_op.MemoryBudgetError as err:
-            errors.append(err)
-            continue
-        results.append(res)
+    started, mirrors = [], {}
+    ties = [(out_pos, graph.invars[in_pos]) for out_pos, in_pos in program.ties]
+    pool = SolvePool(None if len(shapes) > 1 else 0)
+    try:
+        for k, shape in enumerate(shapes):
+            mesh = MeshContext.build(shape, cluster)
+            forced_pos = method.forced_specs(program.in_shapes, program.roles, mesh)
+            forced = {graph.invars[pos]: spec for pos, spec in forced_pos.items()}
+            twin = next((m for m, f, _ in started if is_mirror(mesh, forced, m, f)), None)
+            if twin is not None:  # same cost as its mirror image, solved already
+                mirrors[shape] = twin.shape
+                continue
+            if progress:
+                progress(f"mesh ILP {k + 1}/{len(shapes)}: logical mesh {shape}")
+            started.append((mesh, forced, intra_op.start(
+                graph, mesh, forced=forced, ties=ties, memory_budget_bytes=budget,
+                batch_size=program.batch_size, solver=method.solver,
+                time_limit_s=method.time_limit_s, submit=pool.submit)))
+        for mesh, _, run in started:
+            try:
+                results.append(run.result())
+            except intra_op.MemoryBudgetError as err:
+                errors.append(err)
+                continue
+            if progress:
+                best = min(results, key=lambda r: r.cost_s)
+                progress(f"mesh ILP {mesh.shape} solved: {results[-1].cost_s * 1e3:.3f} ms "
+                         f"(best {best.cost_s * 1e3:.3f} ms on {best.mesh.shape})")
+    except BaseException:
+        pool.close(cancel=True)
+        raise
+    pool.close()
     if not results:
         raise min(errors, key=lambda e: e.smallest_bytes)
     best = min(results, key=lambda r: r.cost_s)
@@ -124,6 +142,8 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
     stats = dict(best.stats)
     stats["search_s"] = time.perf_counter() - t0
     stats["phases_s"] = {"mesh ILPs": stats["search_s"]}
+    if mirrors:
+        stats["mirror_meshes"] = {str(a): str(b) for a, b in mirrors.items()}
     return Plan(
         fingerprint=fp,
         method=method.name,
@@ -138,9 +158,36 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
         predicted=PredictedCost(best.cost_s, best.compute_s, best.comm_s, best.memory_bytes,
                                 graph.total_flops()),
         solver=stats,
-        candidates=tuple((r.mesh.shape, r.cost_s) for r in results),
+        candidates=_with_mirrors([(r.mesh.shape, r.cost_s) for r in results], mirrors,
+                                 shapes),
         operand_specs=best.operand_specs,
     )
+
+
+def is_mirror(mesh: MeshContext, forced: dict[int, Spec], other: MeshContext,
+              other_forced: dict[int, Spec]) -> bool:
+    """Whether `mesh` is `other` with its two axes swapped, both axes on the same link
+    and the forced specs swapped alike: the cost model sees axes only through their size
+    and link, so both meshes have the same optimum (one solve serves both)."""
+    if len(mesh.shape) != 2 or mesh.shape != other.shape[::-1] or mesh.shape[0] == mesh.shape[1]:
+        return False
+    if not (mesh.links[0] == mesh.links[1] == other.links[0] == other.links[1]):
+        return False
+    swap = {mesh.axes[0]: other.axes[1], mesh.axes[1]: other.axes[0]}
+    renamed = {v: tuple(frozenset(swap[a] for a in dim) for dim in spec)
+               for v, spec in forced.items()}
+    return renamed == {v: tuple(frozenset(dim) for dim in spec)
+                       for v, spec in other_forced.items()}
+
+
+def _with_mirrors(candidates: list[tuple[tuple[int, ...], float]],
+                  mirrors: dict[tuple[int, ...], tuple[int, ...]],
+                  order: Sequence[tuple[int, ...]]) -> tuple:
+    """The mesh shapes tried with their costs, mirror images taking their twin's, in the
+    order they were listed."""
+    cost = dict(candidates)
+    cost.update((m, cost[t]) for m, t in mirrors.items() if t in cost)
+    return tuple((s, cost[s]) for s in order if s in cost)
 
 
 def describe_path(path) -> str:

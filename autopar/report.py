@@ -149,6 +149,7 @@ def summary(plan: Plan) -> str:
         lines.append(f"  search time            {float(plan.solver['search_s']):.2f} s")
     if "backend" in plan.solver:
         lines.append(f"  sharding solver        {plan.solver['backend']}")
+    lines += _search_notes(plan)
     if not plan.stages:
         split = [(n, s) for n, s in zip(plan.input_names, plan.in_specs) if any(s)]
         lines.append(f"  inputs split           {len(split)} of {len(plan.in_specs)}")
@@ -157,6 +158,24 @@ def summary(plan: Plan) -> str:
         if len(split) > _SPLIT_LISTED:
             lines.append(f"    ... {len(split) - _SPLIT_LISTED} more")
     return "\n".join(lines)
+
+
+def _search_notes(plan: Plan) -> list[str]:
+    """Lines on how the plan was found: the plan cache, the micro-batch counts tried."""
+    lines = []
+    cache = plan.solver.get("plan_cache", {})
+    if cache.get("hit"):
+        lines.append(f"  plan cache             hit, no search ({cache.get('path', '')})")
+    tries = plan.solver.get("micro_batch_tries", [])
+    if tries:
+        cells = []
+        for t in tries:
+            mark = "*" if t.get("num_micro_batches") == plan.num_micro_batches else ""
+            what = (f"{t['step_s'] * 1e3:.3f} ms" if t.get("step_s") is not None
+                    else "no plan fits")
+            cells.append(f"B={t['num_micro_batches']}{mark}: {what}")
+        lines.append("  micro-batches tried    " + ", ".join(cells))
+    return lines
 
 
 def short_name(path: str) -> str:

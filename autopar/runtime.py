@@ -1,12 +1,14 @@
 """The pipeline runtime: runs a split step on stage sub-meshes under a schedule.
 
-Per stage: a forward jit returning (outputs, `jax.vjp` residuals, integer outputs) and a
-backward jit applying the residuals to the output cotangents, each on the stage's own
-`Mesh`.  Activations and cotangents move between stages with `jax.device_put`; dispatch is
-asynchronous, so stages overlap.  Gradients accumulate per stage (the loss cotangent of a
-micro-batch is 1/N, so the sums are means).  The outer program (apply-grad, and the
-batch-free work before the marker) runs as jitted segments, each on the stage that holds
-most of its inputs; the few values a segment needs from other stages are moved explicitly.
+Per step: the outer program's batch-free work (`outer`), then for every task of the
+schedule (computed once) one call — a stage's forward or backward on one micro-batch
+(`stage_runner`) — with the activations moved to the next stage's layout and the
+cotangents moved back by `jax.device_put`; dispatch is asynchronous, so stages overlap.
+Each stage adds its micro-batches' parameter gradients into donated accumulators, kept
+unreduced over the data-parallel axes, and reduces them once at the end of the step
+(`finalize`).  Loss and aux outputs are averaged over micro-batches (the loss cotangent of
+a micro-batch is 1/N, so the gradient sums are means).  Then apply-grad runs as jitted
+segments on the owner stages, with parameters and optimizer state in the plan's layouts.
 """
 
 from __future__ import annotations
@@ -17,355 +19,346 @@ from typing import Any
 
 import jax
 import jax.extend.core as jcore
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, Sharding
 
+from autopar.cost_model import hlo_audit
 from autopar.graph import Graph, Lit, is_float
 
+from . import outer, schedules
+from .layer import differentiable_values
 from .microbatch import micro_slice
-from .pipeline import SplitStep, StageProgram
+from .pipeline import SplitStep, program_for_range
+from .plan import Plan
 from .schedules import Schedule
-
-
-def _on_mesh(x: Any, sharding: NamedSharding) -> Any:
-    """`x` laid out as `sharding` (no copy when it already is)."""
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x
-    return jax.device_put(x, sharding)
-
-
-def _on_devices(x: Any, mesh: Mesh) -> Any:
-    """`x` on `mesh`'s devices: kept as is if already there, else replicated there."""
-    if isinstance(x, jax.Array) and x.sharding.device_set == set(mesh.devices.flat):
-        return x
-    return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class StageFunction:
-    """A stage of F as a function: (differentiable inputs, other inputs) → (float outputs,
-    integer outputs), with the value ids of each list."""
-
-    graph: Graph
-    program: StageProgram
-    diff_ids: tuple[int, ...]
-    nondiff_ids: tuple[int, ...]
-    float_outs: tuple[int, ...]
-    int_outs: tuple[int, ...]
-    remat: bool = False
-
-    @staticmethod
-    def build(graph: Graph, program: StageProgram, diff_values: set[int],
-              remat: bool = False) -> StageFunction:
-        """`remat`: the forward keeps only the stage inputs and the backward recomputes the
-        stage (`jax.checkpoint`) — the step's own `jax.checkpoint`/`nn.remat` boundaries are
-        gone once F is flattened, so pipelines rematerialize per stage instead."""
-        values = graph.values
-        diff = tuple(v for v in program.inputs if v in diff_values and is_float(values[v].dtype))
-        return StageFunction(
-            graph, program, diff, tuple(v for v in program.inputs if v not in diff),
-            tuple(v for v in program.outputs if is_float(values[v].dtype)),
-            tuple(v for v in program.outputs if not is_float(values[v].dtype)), remat)
-
-    def __call__(self, diff: Sequence[Any], nondiff: Sequence[Any]):
-        env = dict(zip(self.diff_ids, diff))
-        env.update(zip(self.nondiff_ids, nondiff))
-        self.graph.run_eqns(self.program.eqns, env)
-        return [env[o] for o in self.float_outs], [env[o] for o in self.int_outs]
-
-    def forward(self, diff: Sequence[Any], nondiff: Sequence[Any]):
-        """(float outputs, vjp function holding the residuals, integer outputs)."""
-        fun = lambda *d: self(d, nondiff)
-        return jax.vjp(jax.checkpoint(fun) if self.remat else fun, *diff, has_aux=True)
-
-    def forward_backward(self, diff: Sequence[Any], nondiff: Sequence[Any],
-                         cts: Sequence[Any]):
-        """One micro-batch's forward and backward (what the planner prices)."""
-        outs, vjp_fn, ints = self.forward(diff, nondiff)
-        return outs, ints, vjp_fn(list(cts))
-
-
-class StageRunner:
-    """Compiled forward and backward of one stage on its mesh."""
-
-    def __init__(self, fn: StageFunction, mesh: Mesh, input_specs: dict[int, PartitionSpec]):
-        self.fn = fn
-        self.program = fn.program
-        self.mesh = mesh
-        self.diff_ids, self.nondiff_ids = list(fn.diff_ids), list(fn.nondiff_ids)
-        self.float_outs, self.int_outs = list(fn.float_outs), list(fn.int_outs)
-        self.shardings = {v: NamedSharding(mesh, input_specs.get(v, PartitionSpec()))
-                          for v in fn.program.inputs}
-        self.forward = jax.jit(fn.forward)
-        self.backward = jax.jit(lambda vjp_fn, cts: vjp_fn(cts))
-
-    def place(self, vid: int, x: Any) -> Any:
-        return _on_mesh(x, self.shardings[vid])
-
-
-@dataclasses.dataclass(eq=False)
-class _Segment:
-    stage: int
-    eqns: list[int]
-    inputs: list[Any] = dataclasses.field(default_factory=list)
-    outputs: list[Any] = dataclasses.field(default_factory=list)
-    fn: Any = None
+from .stage_runner import StageRunner
 
 
 class PipelineRuntime:
-    """Runs one step of a split program.
+    """Runs one step of a split program under a pipeline plan.
 
     Args:
       split: the step split around its compute-grad equation.
       graph: F flattened (the graph `split.forward_graph()` returns).
-      stages: (program, mesh, input specs) of every stage, in pipeline order.
+      plan: the plan (its `stages`).
+      meshes: every stage's `Mesh`, in pipeline order.
       schedule: the task order (GPipe or 1F1B).
       batch_positions: step input positions of the batch leaves.
+      ties: (step output position, step input position) pairs: the output replaces the input.
+      donate: step input positions whose buffers the step may reuse (tied state).
     """
 
-    def __init__(self, split: SplitStep, graph: Graph,
-                 stages: Sequence[tuple[StageProgram, Mesh, dict[int, PartitionSpec]]],
-                 schedule: Schedule, batch_positions: set[int]):
-        self.split = split
-        self.graph = graph
+    def __init__(self, split: SplitStep, graph: Graph, plan: Plan, meshes: Sequence[Mesh],
+                 schedule: Schedule, batch_positions: set[int],
+                 ties: Sequence[tuple[int, int]] = (), donate: Sequence[int] = ()):
+        self.split, self.graph, self.plan = split, graph, plan
+        self.meshes = list(meshes)
         self.schedule = schedule
-        self.num_micro_batches = schedule.num_micro_batches
+        self.order = tuple(schedule.order())
+        self.num_micro_batches = n = schedule.num_micro_batches
         jaxpr = split.step.jaxpr
-        # F inputs: value ids in `graph`, and which step variable feeds each.
         self.f_inputs = list(graph.invars)
         self.f_source = list(split.forward_inputs)
         batch_vars = {v for i, v in enumerate(jaxpr.invars) if i in batch_positions}
-        self.f_is_batch = [v in batch_vars for v in self.f_source]
-        diff_values = {self.f_inputs[j] for j in split.diff_inputs}
-        produced = {o for prog, _, _ in stages for i in prog.eqns for o in graph.eqns[i].outputs}
-        self.stages = [StageRunner(StageFunction.build(graph, prog, diff_values | produced,
-                                                       remat=split.remat), mesh, specs)
-                       for prog, mesh, specs in stages]
-        self.stage_of_value = {o: s for s, st in enumerate(self.stages)
-                               for i in st.program.eqns for o in graph.eqns[i].outputs}
-        self.owner = self._owners()
-        self.pre, self.post = self._segments()
-        self.in_flight_max: list[int] = [0] * len(self.stages)
-
-    # ---- placement -------------------------------------------------------------------------
-
-    def _owners(self) -> dict[int, int]:
-        """F input value → the first stage that reads it (where its gradient lands)."""
-        owner: dict[int, int] = {}
+        self.batch_vids = {vid for vid, src in zip(self.f_inputs, self.f_source)
+                           if src in batch_vars}
+        params = {self.f_inputs[j] for j in split.diff_inputs}
+        diff = differentiable_values(graph, sorted(params))
+        programs = [program_for_range(graph, *st.eqn_range) for st in plan.stages]
+        self.stage_of_value = {o: s for s, prog in enumerate(programs) for i in prog.eqns
+                               for o in graph.eqns[i].outputs}
+        receivers = [[v for v in prog.outputs if v in diff and is_float(graph.values[v].dtype)
+                      and any(v in later.inputs for later in programs[s + 1:])]
+                     for s, prog in enumerate(programs)]
+        loss = graph.outvars[0] if isinstance(graph.outvars[0], int) else None
+        static_ids = set(self.f_inputs) - self.batch_vids
+        f_outputs = frozenset(op for op in graph.outvars if isinstance(op, int))
+        self.stages = [StageRunner(graph, st, mesh, diff, params, static_ids, receivers[s],
+                                   loss, n, split.remat, f_outputs)
+                       for s, (st, mesh) in enumerate(zip(plan.stages, self.meshes))]
+        self.owner: dict[int, int] = {}
         for s, st in enumerate(self.stages):
             for v in st.program.inputs:
-                owner.setdefault(v, s)
-        return owner
+                self.owner.setdefault(v, s)
+        self._splitters = [self._splitter(st) for st in self.stages]
+        self.pre, self.post = self._outer(ties, donate)
+        self.in_flight_max: list[int] = [0] * len(self.stages)
 
-    def _segments(self) -> tuple[list[_Segment], list[_Segment]]:
+    # ---- construction -----------------------------------------------------------------------
+
+    def _splitter(self, st: StageRunner):
+        """One jit per stage: every batch input it reads → its N micro-batches, in the
+        stage's layout (strided rows: no data moves under a batch-split layout)."""
+        vids = [v for v in st.micro_ids if v in self.batch_vids]
+        if not vids:
+            return vids, None
+        n = self.num_micro_batches
+        shardings = [st.input_shardings[v] for v in vids]
+        fn = jax.jit(lambda *xs: [[micro_slice(x, n, m) for m in range(n)] for x in xs],
+                     in_shardings=shardings, out_shardings=[[sh] * n for sh in shardings])
+        return vids, fn
+
+    def _outer(self, ties: Sequence[tuple[int, int]], donate: Sequence[int]):
         split = self.split
-        jaxpr = split.step.jaxpr
-        home: dict[Any, int] = {}
-        last = len(self.stages) - 1
-        for src, vid in zip(self.f_source, self.f_inputs):
-            if not isinstance(src, jcore.Literal) and vid in self.owner:
-                home.setdefault(src, self.owner[vid])
+        closed = split.step
+        jaxpr = closed.jaxpr
         marker = split.marker_eqn
-        grads = marker.outvars[len(marker.outvars) - len(split.diff_inputs):]
-        for v in marker.outvars[:len(marker.outvars) - len(split.diff_inputs)]:
-            home[v] = last
-        for v, j in zip(grads, split.diff_inputs):
-            home[v] = self.owner.get(self.f_inputs[j], 0)
-        nbytes = lambda v: int(np.prod(v.aval.shape)) * getattr(v.aval.dtype, "itemsize", 4)
-
-        def assign(indices: list[int]) -> list[_Segment]:
-            # Each equation runs on the stage holding most of its input bytes.  Its round is
-            # one more than that of any input made on another stage (a transfer happens
-            # between rounds); equations of one (round, stage) form one jitted segment, and
-            # segments run round by round, so data only flows forward.  A global grad-norm
-            # clip, say, becomes: per-stage partial norms, one combine, per-stage updates.
-            rounds: dict[Any, int] = {}
-            groups: dict[tuple[int, int], _Segment] = {}
-            for i in indices:
-                eqn = jaxpr.eqns[i]
-                ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
-                known = [v for v in ins if v in home]
-                stage = home[max(known, key=nbytes)] if known else 0
-                for v in ins:
-                    home.setdefault(v, stage)
-                r = max([rounds.get(v, 0) + (home[v] != stage) for v in ins], default=0)
-                seg = groups.get((r, stage))
-                if seg is None:
-                    seg = groups[(r, stage)] = _Segment(stage, [])
-                seg.eqns.append(i)
-                for v in eqn.outvars:
-                    home[v] = stage
-                    rounds[v] = r
-            return [groups[k] for k in sorted(groups)]
-
+        num_grads = len(split.diff_inputs)
+        home: dict[Any, int] = {}
+        known: dict[Any, tuple[int, Sharding]] = {}
+        for src, vid in zip(self.f_source, self.f_inputs):
+            if isinstance(src, jcore.Literal) or vid not in self.owner:
+                continue
+            s = self.owner[vid]
+            home.setdefault(src, s)
+            if vid not in self.batch_vids:
+                known.setdefault(src, (s, self.stages[s].input_shardings[vid]))
+        for v, j in zip(marker.outvars[len(marker.outvars) - num_grads:], split.diff_inputs):
+            vid = self.f_inputs[j]
+            s = self.owner.get(vid, 0)
+            home[v] = s
+            if vid in self.owner:
+                known[v] = (s, self.stages[s].input_shardings[vid])
+        for v, op in zip(marker.outvars, self.graph.outvars):
+            if isinstance(op, int) and op in self.stage_of_value:
+                home.setdefault(v, self.stage_of_value[op])
+        tie_vars = [(jaxpr.outvars[o], jaxpr.invars[i]) for o, i in ties]
         skip = split.forward_eqns | {split.marker}
-        pre = assign([i for i in range(split.marker) if i not in skip])
-        post = assign([i for i in range(split.marker + 1, len(jaxpr.eqns))])
-        self._wire(pre + post)
+        pre_eqns = [i for i in range(split.marker) if i not in skip]
+        post_eqns = list(range(split.marker + 1, len(jaxpr.eqns)))
+        layouts = outer.state_layouts(jaxpr, pre_eqns + post_eqns, known, tie_vars)
+        self.layouts = layouts
+        for v, (s, _) in layouts.items():
+            home.setdefault(v, s)
+        pre = outer.assign(jaxpr, pre_eqns, home)
+        post = outer.assign(jaxpr, post_eqns, home)
+        needed = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+        needed.update(v for v in self.f_source if not isinstance(v, jcore.Literal))
+        donated = set(donate)
+        donatable = {jaxpr.invars[i] for _, i in ties if i in donated}
+        outer.wire(closed, pre + post, needed, layouts, self.meshes, donatable)
         return pre, post
 
-    def _wire(self, segments: list[_Segment]) -> None:
-        jaxpr = self.split.step.jaxpr
-        needed_later: set[Any] = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
-        needed_later.update(v for v in self.f_source if not isinstance(v, jcore.Literal))
-        for seg in segments:
-            produced = {v for i in seg.eqns for v in jaxpr.eqns[i].outvars}
-            reads: list[Any] = []
-            for i in seg.eqns:
-                for v in jaxpr.eqns[i].invars:
-                    if not isinstance(v, jcore.Literal) and v not in produced and v not in reads:
-                        reads.append(v)
-            seg.inputs = reads
-        for seg in segments:
-            produced = [v for i in seg.eqns for v in jaxpr.eqns[i].outvars]
-            used_elsewhere = {v for other in segments if other is not seg for v in other.inputs}
-            seg.outputs = [v for v in produced if v in used_elsewhere or v in needed_later]
-            seg.fn = jax.jit(self._segment_fn(seg))
-
-    def _segment_fn(self, seg: _Segment):
-        jaxpr = self.split.step.jaxpr
-        consts = dict(zip(jaxpr.constvars, self.split.step.consts))
-
-        def fn(*xs):
-            env = dict(consts)
-            env.update(zip(seg.inputs, xs))
-            read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
-            for i in seg.eqns:
-                e = jaxpr.eqns[i]
-                with e.ctx.manager:
-                    outs = e.primitive.bind(*[read(v) for v in e.invars],
-                                            **e.primitive.get_bind_params(e.params))
-                env.update(zip(e.outvars, outs if e.primitive.multiple_results else [outs]))
-            return [env[v] for v in seg.outputs]
-
-        return fn
-
-    def _run_segments(self, segments: list[_Segment], env: dict[Any, Any]) -> None:
-        for seg in segments:
-            mesh = self.stages[seg.stage].mesh
-            args = [_on_devices(env[v], mesh) for v in seg.inputs]
-            env.update(zip(seg.outputs, seg.fn(*args)))
-
-    def lower(self, *flat_args: Any) -> PipelineLowered:
-        """Every stage's programs, for inspection (`.compile()`)."""
-        return PipelineLowered(self)
-
-    # ---- one step --------------------------------------------------------------------------
+    # ---- one step ---------------------------------------------------------------------------
 
     def __call__(self, *flat_args: Any) -> list[Any]:
         split, graph = self.split, self.graph
         jaxpr = split.step.jaxpr
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, split.step.consts))
         env.update(zip(jaxpr.invars, flat_args))
-        self._run_segments(self.pre, env)
-        n = self.num_micro_batches
+        outer.run(self.pre, env)
         full = {vid: (src.val if isinstance(src, jcore.Literal) else env[src])
                 for vid, src in zip(self.f_inputs, self.f_source)}
-        batch_vids = {vid for vid, b in zip(self.f_inputs, self.f_is_batch) if b}
+        static = [tuple(outer.place(full[v], st.input_shardings[v])
+                        for v in st.static_ids) for st in self.stages]
+        parts: dict[tuple[int, int], list[Any]] = {}
+        for s, (vids, fn) in enumerate(self._splitters):
+            if fn is not None:
+                st = self.stages[s]
+                xs = [outer.place(full[v], st.input_shardings[v]) for v in vids]
+                parts.update(((v, s), p) for v, p in zip(vids, fn(*xs)))
+        acc = [st.zeros() for st in self.stages]
         acts: dict[tuple[int, int], Any] = {}
         cts: dict[tuple[int, int], Any] = {}
-        residuals: dict[tuple[int, int], Any] = {}
-        grads: dict[int, Any] = {}
-        placed: dict[tuple[int, int], Any] = {}
+        saved: dict[tuple[int, int], tuple[list, list]] = {}
         alive = [0] * len(self.stages)
         self.in_flight_max = [0] * len(self.stages)
-        loss_vid = graph.outvars[0]
-        outputs = list(graph.outvars)
-        final = {op for op in outputs if isinstance(op, int)}
-
-        def stage_input(s: int, vid: int, m: int) -> Any:
-            st = self.stages[s]
-            if vid in full:
-                if vid in batch_vids:
-                    return st.place(vid, micro_slice(full[vid], n, m))
-                key = (s, vid)
-                if key not in placed:
-                    placed[key] = st.place(vid, full[vid])
-                return placed[key]
-            return st.place(vid, acts[(vid, m)])
-
-        for task in self.schedule.order():
+        for task in self.order:
             s, m = task.stage, task.micro_batch
             st = self.stages[s]
             if task.kind == "fwd":
-                diff = [stage_input(s, v, m) for v in st.diff_ids]
-                nondiff = [stage_input(s, v, m) for v in st.nondiff_ids]
-                outs, vjp_fn, ints = st.forward(diff, nondiff)
-                for v, x in zip(st.float_outs + st.int_outs, list(outs) + list(ints)):
-                    acts[(v, m)] = x
-                residuals[(s, m)] = vjp_fn
+                micro = [parts[(v, s)][m] if (v, s) in parts else
+                         outer.place(acts[(v, m)], st.input_shardings[v])
+                         for v in st.micro_ids]
+                floats, ints, res = st.forward(static[s], micro)
+                acts.update(((v, m), x) for v, x in zip(st.float_outs, floats))
+                acts.update(((v, m), x) for v, x in zip(st.int_outs, ints))
+                saved[(s, m)] = ([micro[k] for k in st.kept_positions], res)
                 alive[s] += 1
                 self.in_flight_max[s] = max(self.in_flight_max[s], alive[s])
             else:
-                out_cts = []
-                for v in st.float_outs:
-                    ct = cts.pop((v, m), None)
-                    if ct is None:
-                        ct = jnp.zeros_like(acts[(v, m)])
-                    if v == loss_vid:
-                        ct = ct + jnp.asarray(1.0 / n, acts[(v, m)].dtype)
-                    out_cts.append(ct)
-                in_cts = st.backward(residuals.pop((s, m)), out_cts)
+                kept, res = saved.pop((s, m))
+                incoming = [cts.pop((v, m)) for v in st.ct_receivers]
+                act_cts, acc[s] = st.backward(static[s], kept, res, incoming, acc[s])
                 alive[s] -= 1
+                for v, g in zip(st.act_ct_ids, act_cts):
+                    g = outer.place(g, acts[(v, m)].sharding)
+                    cts[(v, m)] = g if (v, m) not in cts else cts[(v, m)] + g
                 for v in st.float_outs + st.int_outs:   # consumers' forwards are done
-                    if v not in final:
-                        acts.pop((v, m), None)
-                for v, g in zip(st.diff_ids, in_cts):
-                    if v in full:   # a parameter: its gradient lives on its owner stage
-                        g = self.stages[self.owner[v]].place(v, g)
-                        grads[v] = g if v not in grads else grads[v] + g
-                    else:
-                        g = _on_mesh(g, acts[(v, m)].sharding)
-                        cts[(v, m)] = g if (v, m) not in cts else cts[(v, m)] + g
-        # The marker's outputs: mean loss and aux over micro-batches, then the gradients.
+                    acts.pop((v, m), None)
+        grads, means = self._finalize(acc)
         marker = split.marker_eqn
-        values = []
-        for op in outputs:
-            if isinstance(op, Lit):
-                values.append(op.value)
-                continue
-            parts = [acts[(op, m)] for m in range(n)] if (op, 0) in acts else [full[op]] * n
-            total = parts[0]
-            for p in parts[1:]:
-                total = total + p
-            values.append(total / n if is_float(parts[0].dtype) else parts[-1])
-        grad_values = []
-        for j in split.diff_inputs:
-            vid = self.f_inputs[j]
-            grad_values.append(grads[vid] if vid in grads else jnp.zeros_like(full[vid]))
-        env.update(zip(marker.outvars, values + grad_values))
-        self._run_segments(self.post, env)
+        values = [op.value if isinstance(op, Lit) else means[op] if op in means else full[op]
+                  for op in graph.outvars]
+        env.update(zip(marker.outvars, values + grads))
+        outer.run(self.post, env)
         return [v.val if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
+
+    def _finalize(self, acc: list) -> tuple[list[Any], dict[int, Any]]:
+        """Each stage's accumulators reduced once (finalize): the gradients in the marker's
+        order (a parameter read by several stages summed on its owner), and F's outputs
+        averaged over the micro-batches, by value id."""
+        by_param: dict[int, Any] = {}
+        means: dict[int, Any] = {}
+        for st, a in zip(self.stages, acc):
+            grads, outs = st.finalize(a)
+            means.update(zip(st.f_out_ids, outs))
+            for v, g in zip(st.param_ids, grads):
+                owner = self.stages[self.owner[v]]
+                if v in by_param:
+                    by_param[v] = by_param[v] + outer.place(g, owner.input_shardings[v])
+                else:
+                    by_param[v] = outer.place(g, owner.input_shardings[v])
+        out = []
+        for j in self.split.diff_inputs:
+            vid = self.f_inputs[j]
+            if vid in by_param:
+                out.append(by_param[vid])
+            else:   # not read by any stage: a zero gradient
+                value = self.graph.values[vid]
+                out.append(jax.numpy.zeros(value.shape, value.dtype))
+        return out, means
+
+    # ---- layouts ----------------------------------------------------------------------------
+
+    def _f_output_sharding(self, vid: int) -> Sharding:
+        return self.stages[self.stage_of_value[vid]].output_sharding(vid)
+
+    def _sharding_of(self, var: Any, segments_key: str) -> Sharding:
+        """Where the step keeps `var` (a step input or output variable)."""
+        layout = self.layouts.get(var)
+        if layout is not None:
+            return layout[1]
+        marker = self.split.marker_eqn
+        for out, op in zip(marker.outvars, self.graph.outvars):
+            if out is var and isinstance(op, int) and op in self.stage_of_value:
+                return self._f_output_sharding(op)
+        for src, vid in zip(self.f_source, self.f_inputs):
+            if src is var and vid in self.owner:
+                st = self.stages[self.owner[vid]]
+                return NamedSharding(st.mesh, st.input_shardings[vid].spec)
+        for seg in self.pre + self.post:
+            names = seg.inputs if segments_key == "in" else seg.outputs
+            shardings = seg.in_shardings if segments_key == "in" else seg.out_shardings
+            if var in names:
+                return shardings[names.index(var)]
+        return NamedSharding(self.meshes[0], jax.sharding.PartitionSpec())
+
+    def input_shardings(self) -> list[Sharding]:
+        """The sharding the step takes each flattened input in (passing inputs laid out so
+        moves nothing)."""
+        return [self._sharding_of(v, "in") for v in self.split.step.jaxpr.invars]
+
+    def output_shardings(self) -> list[Sharding | None]:
+        """The sharding of each flattened output the step returns (None: a literal)."""
+        return [None if isinstance(v, jcore.Literal) else self._sharding_of(v, "out")
+                for v in self.split.step.jaxpr.outvars]
+
+    # ---- inspection -------------------------------------------------------------------------
+
+    def lower(self, *args: Any) -> PipelineLowered:
+        """Every program of one step, for inspection (`.compile()`)."""
+        return PipelineLowered(self)
 
 
 @dataclasses.dataclass(frozen=True)
 class StageCompiled:
-    """JAX's compiled forward and backward programs of one stage."""
+    """JAX's compiled programs of one stage: `forward` and `backward` run once per
+    micro-batch, `zeros` and `finalize` (the gradient reduction) once per step."""
 
     stage: int
     forward: Any
     backward: Any
+    zeros: Any
+    finalize: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineCompiled:
+    """Every compiled program of one pipelined step.
+
+    Attributes:
+      stages: per stage, its compiled programs.
+      segments: (stage, compiled) of every outer-program segment (apply-grad), run once
+        per step.
+      num_micro_batches: how many times each forward and backward runs per step.
+    """
+
+    stages: tuple[StageCompiled, ...]
+    segments: tuple[tuple[int, Any], ...]
+    num_micro_batches: int
+    plan: Plan
+
+    def programs(self) -> list[tuple[str, int, Any, int]]:
+        """(name, stage, compiled, calls per step) of every program."""
+        out = []
+        for c in self.stages:
+            out += [("forward", c.stage, c.forward, self.num_micro_batches),
+                    ("backward", c.stage, c.backward, self.num_micro_batches),
+                    ("zeros", c.stage, c.zeros, 1), ("finalize", c.stage, c.finalize, 1)]
+        out += [("apply", s, c, 1) for s, c in self.segments]
+        return out
+
+    def audits(self) -> list[tuple[str, int, hlo_audit.Audit, int]]:
+        """(name, stage, HLO audit on the stage's mesh, calls per step) of every program."""
+        out = []
+        for name, s, compiled, calls in self.programs():
+            st = self.plan.stages[s]
+            out.append((name, s, hlo_audit.audit(compiled, st.mesh_shape, st.mesh_axes), calls))
+        return out
+
+    def collective_bytes_per_step(self) -> dict[str, float]:
+        """Bytes per device of each collective kind over one step (every call counted)."""
+        total: dict[str, float] = {}
+        for _, _, audit, calls in self.audits():
+            for kind, nbytes in audit.bytes_by_kind().items():
+                total[kind] = total.get(kind, 0.0) + nbytes * calls
+        return total
+
+    def stage_memory_bytes(self) -> list[float]:
+        """Per stage, bytes per device of the compiled step at its peak: the backward
+        program (its arguments hold the parameters, one micro-batch's residuals and the
+        gradient accumulators; plus its outputs and temporaries), the residuals of the other
+        micro-batches the schedule keeps in flight (the forward's saved outputs), and the
+        optimizer state the stage's apply segments hold beyond parameters and gradients."""
+        sched = schedules.make(self.plan.schedule or "1f1b", len(self.stages),
+                               self.num_micro_batches)
+        in_flight = sched.max_in_flight()
+        out = []
+        for c in self.stages:
+            bwd = c.backward.memory_analysis()
+            peak = (bwd.argument_size_in_bytes + bwd.output_size_in_bytes
+                    - bwd.alias_size_in_bytes + bwd.temp_size_in_bytes)
+            fwd = c.forward.memory_analysis()
+            extra_state = 0
+            for s, seg in self.segments:
+                if s == c.stage:
+                    m = seg.memory_analysis()
+                    extra_state = max(extra_state, m.alias_size_in_bytes)
+            # The apply segments update parameters and optimizer state in place (aliased);
+            # the parameters (as large as their gradients) are already in the backward's
+            # arguments.
+            params = c.finalize.memory_analysis().output_size_in_bytes
+            out.append(float(peak + (in_flight[c.stage] - 1) * fwd.output_size_in_bytes
+                             + max(0, extra_state - params)))
+        return out
 
 
 class PipelineLowered:
-    """`step.lower(...)` for pipeline plans: `.compile()` compiles every stage."""
+    """`step.lower(...)` for pipeline plans: `.compile()` compiles every program."""
 
     def __init__(self, runtime: PipelineRuntime):
         self.runtime = runtime
 
-    def compile(self) -> list[StageCompiled]:
-        out = []
-        graph = self.runtime.graph
-        for s, st in enumerate(self.runtime.stages):
-            def spec(v, st=st):
-                val = graph.values[v]
-                return jax.ShapeDtypeStruct(val.shape, val.dtype, sharding=st.shardings[v])
-
-            diff = [spec(v) for v in st.diff_ids]
-            nondiff = [spec(v) for v in st.nondiff_ids]
-            fwd = st.forward.lower(diff, nondiff)
-            outs, vjp_fn, _ = jax.eval_shape(st.fn.forward, diff, nondiff)
-            bwd = st.backward.lower(vjp_fn, list(outs))
-            out.append(StageCompiled(s, fwd.compile(), bwd.compile()))
-        return out
+    def compile(self) -> PipelineCompiled:
+        rt = self.runtime
+        stages = []
+        for s, st in enumerate(rt.stages):
+            low = st.lower_all()
+            stages.append(StageCompiled(s, *(low[k].compile() for k in
+                                              ("forward", "backward", "zeros", "finalize"))))
+        segments = []
+        for seg in rt.pre + rt.post:
+            args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sh)
+                    for v, sh in zip(seg.inputs, seg.in_shardings)]
+            segments.append((seg.stage, seg.fn.lower(*args).compile()))
+        return PipelineCompiled(tuple(stages), tuple(segments), rt.num_micro_batches, rt.plan)

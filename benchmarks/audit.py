@@ -26,7 +26,7 @@ import jax  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar import models as zoo  # noqa: E402
-from autopar.cost_model import ClusterSpec, hlo_audit  # noqa: E402
+from autopar.cost_model import ClusterSpec  # noqa: E402
 from autopar.cost_model.jsonio import write_json_atomic  # noqa: E402
 from autopar.plan import Plan  # noqa: E402
 from benchmarks import suite  # noqa: E402
@@ -44,15 +44,8 @@ def audit_case(row: dict, cluster: ClusterSpec, global_batch: int) -> dict | Non
     t0 = time.perf_counter()
     par = autopar.parallelize(step, plan=plan, devices=jax.devices()[:n], cluster=sub)
     compiled = par.lower(*args).compile()
-    by_kind: dict[str, float] = {}
-    memory = 0
-    for st, c in zip(plan.stages, compiled):
-        for prog in (c.forward, c.backward):
-            a = hlo_audit.audit(prog, st.mesh_shape, st.mesh_axes)
-            for kind, nbytes in a.bytes_by_kind().items():
-                by_kind[kind] = by_kind.get(kind, 0.0) + nbytes
-            if a.memory is not None:
-                memory = max(memory, a.memory.total_bytes)
+    by_kind = compiled.collective_bytes_per_step()
+    memory = max(compiled.stage_memory_bytes())
     return {"collective_bytes": by_kind, "compiled_memory_bytes": memory,
             "compile_s": round(time.perf_counter() - t0, 1)}
 

@@ -8,8 +8,9 @@ parallel, ZeRO-2, ZeRO-3, Megatron-style tensor parallel within a host + data pa
 across, the best manual 3-D plan of a grid over (dp, tp, pp, micro-batches), autopar
 intra-op only (one stage over all devices) and autopar PipeshardParallel.  Every strategy
 is priced by the same step model (`benchmarks.layouts`); a hand-written strategy takes the
-fastest micro-batch count that fits memory; autopar tries the best hand-written plan's count
-and 4 times it (`_autopar_tries`).
+fastest micro-batch count that fits memory; autopar chooses its own with
+`num_micro_batches="auto"`, falling back to the best hand-written plan's count and 4 times it
+(`_autopar_tries`).
 
 Writes benchmarks/results/<suite>-<cluster>.md, .json and a throughput chart .png.
 """
@@ -85,11 +86,13 @@ def baseline_layouts(devices: int, devices_per_host: int, num_layers: int,
 
 
 def _autopar(pricer: Pricer, step, args, cluster: ClusterSpec, method,
-             micro: int) -> tuple[Evaluation, dict]:
-    """Plans with autopar, then prices the plan with the suite's step model."""
+             micro: int | None = None) -> tuple[Evaluation, dict]:
+    """Plans with autopar, then prices the plan with the suite's step model (at the plan's
+    micro-batch count when `micro` is None: the method chose it)."""
     t0 = time.perf_counter()
     plan = autopar.plan(step, *args, cluster=cluster, method=method)
     seconds = time.perf_counter() - t0
+    micro = plan.num_micro_batches if micro is None else micro
     w = pricer.workload(micro)
     if plan.solver.get("layers") != len(w.layers):
         raise RuntimeError(f"{pricer.model}: autopar layered F into {plan.solver.get('layers')} "
@@ -97,28 +100,53 @@ def _autopar(pricer: Pricer, step, args, cluster: ClusterSpec, method,
     stages = [(st.layers, st.mesh_shape) for st in plan.stages]
     ev = pricer.evaluate(Layout("autopar", 0, 0, len(stages), micro, "auto"), stages)
     phases = {k: round(v, 2) for k, v in plan.solver.get("phases_s", {}).items()}
-    return ev, {"search_s": round(seconds, 2), "phases_s": phases,
-                "planner_step_s": plan.predicted.step_s, "plan": plan.to_json()}
+    extra = {"search_s": round(seconds, 2), "phases_s": phases,
+             "planner_step_s": plan.predicted.step_s, "plan": plan.to_json()}
+    if "micro_batch_tries" in plan.solver:
+        extra["micro_batch_tries"] = plan.solver["micro_batch_tries"]
+    return ev, extra
 
 
 def _autopar_tries(pricer: Pricer, name: str, best_baseline: Evaluation | None,
                    sub: ClusterSpec, global_batch: int) -> tuple[Evaluation | None, dict]:
-    """autopar with the best hand-written plan's micro-batch count B and with MICRO_STEP x B
-    (the planner does not choose B itself); a count whose search finds no layout that fits,
-    or whose plan runs out of memory in the step model, is replaced by the next larger one.
-    Keeps the faster plan; the search time is the sum over the tries."""
+    """autopar with `num_micro_batches="auto"` (the planner tries the counts itself; on a
+    small case it is no slower than the two counts below, tests/test_search_speed.py); if
+    that finds no plan, or its plan runs out of memory in the step model, the counts tried
+    by hand: the best hand-written plan's micro-batch count B and MICRO_STEP x B, a count
+    whose search finds no layout that fits, or whose plan runs out of memory in the step
+    model, replaced by the next larger one."""
+    step, args = zoo.train_step_and_args(pricer.model, global_batch)
+    t0 = time.perf_counter()
+    try:
+        ev, extra = _autopar(pricer, step, args, sub, _method(name, sub, "auto"))
+    except ValueError as err:
+        ev, extra = None, {"auto_failed": " ".join(str(err).split())[:160]}
+    if ev is not None and not ev.oom:
+        return ev, extra
+    fallback, more = _autopar_by_hand(pricer, name, best_baseline, sub, global_batch)
+    more["search_s"] = round(more.get("search_s", 0.0) + time.perf_counter() - t0, 2)
+    return fallback, {**more, "auto": "no plan that fits"}
+
+
+def _method(name: str, sub: ClusterSpec, micro: int | str):
+    if name == "autopar-shard":
+        return autopar.PipeshardParallel(
+            num_micro_batches=micro, num_stages=1,
+            submesh_shapes=((sub.num_hosts, sub.devices_per_host),))
+    return autopar.PipeshardParallel(num_micro_batches=micro)
+
+
+def _autopar_by_hand(pricer: Pricer, name: str, best_baseline: Evaluation | None,
+                     sub: ClusterSpec, global_batch: int) -> tuple[Evaluation | None, dict]:
+    """The best hand-written plan's count B and MICRO_STEP x B (see `_autopar_tries`);
+    keeps the faster plan; the search time is the sum over the tries."""
     counts = _micro(global_batch, 1, 1, 1024)
     first = best_baseline.layout.micro if best_baseline else counts[-1]
     tries = [b for b in counts if b >= first] or [first]
     step, args = zoo.train_step_and_args(pricer.model, global_batch)
     searched, failures, results = 0.0, [], []
     for micro in tries:
-        if name == "autopar-shard":
-            method = autopar.PipeshardParallel(
-                num_micro_batches=micro, num_stages=1,
-                submesh_shapes=((sub.num_hosts, sub.devices_per_host),))
-        else:
-            method = autopar.PipeshardParallel(num_micro_batches=micro)
+        method = _method(name, sub, micro)
         t0 = time.perf_counter()
         try:
             ev, extra = _autopar(pricer, step, args, sub, method, micro)

@@ -93,18 +93,15 @@ def run_steps(step, state, batches):
 
 
 def _audit(step, plan, state, batch) -> dict:
-    """Collective bytes (sum over programs) and the largest per-device memory XLA reports."""
+    """Collective bytes over one step and the largest per-device memory XLA reports."""
     compiled = step.lower(state, batch).compile()
     if plan.stages:
-        audits = [hlo_audit.audit(prog, st.mesh_shape, st.mesh_axes)
-                  for st, c in zip(plan.stages, compiled) for prog in (c.forward, c.backward)]
+        by_kind = compiled.collective_bytes_per_step()
+        memory = max(compiled.stage_memory_bytes())
     else:
-        audits = [hlo_audit.audit(compiled, plan.mesh_shape, plan.mesh_axes)]
-    by_kind: dict[str, float] = {}
-    for a in audits:
-        for kind, nbytes in a.bytes_by_kind().items():
-            by_kind[kind] = by_kind.get(kind, 0.0) + nbytes
-    memory = max((a.memory.total_bytes for a in audits if a.memory is not None), default=None)
+        audit = hlo_audit.audit(compiled, plan.mesh_shape, plan.mesh_axes)
+        by_kind = audit.bytes_by_kind()
+        memory = audit.memory.total_bytes if audit.memory is not None else None
     return {"collective_bytes": by_kind, "memory_bytes": memory}
 
 

@@ -20,6 +20,8 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -102,15 +104,32 @@ class _Group:
     partials: list[tuple[int, np.ndarray]] = dataclasses.field(default_factory=list)
 
 
-def run(graph: Graph, mesh: MeshContext, *,
-        forced: Mapping[int, Spec] | None = None,
-        ties: Sequence[tuple[int, int]] = (),
-        memory_budget_bytes: float | None = None,
-        batch_size: int | None = None,
-        solver: Backend = DEFAULT_BACKEND,
-        time_limit_s: float = 60.0,
-        comm_scale: Mapping[int, float] | None = None) -> IntraOpResult:
-    """Chooses a spec for every value of `graph` on `mesh`.
+def run(graph: Graph, mesh: MeshContext, **options: Any) -> IntraOpResult:
+    """Chooses a spec for every value of `graph` on `mesh`: `start(graph, mesh,
+    **options).result()` (the options are `start`'s)."""
+    return start(graph, mesh, **options).result()
+
+
+class Submit(Protocol):
+    """Hands a problem to a solver that may run elsewhere (`autopar.solve_pool.SolvePool`):
+    returns a future of `passes.solver.solve(problem, time_limit_s=, backend=)`."""
+
+    def __call__(self, problem: ShardingProblem, *, time_limit_s: float,
+                 backend: str) -> Future: ...
+
+
+def start(graph: Graph, mesh: MeshContext, *,
+          forced: Mapping[int, Spec] | None = None,
+          ties: Sequence[tuple[int, int]] = (),
+          memory_budget_bytes: float | None = None,
+          batch_size: int | None = None,
+          solver: Backend = DEFAULT_BACKEND,
+          time_limit_s: float = 60.0,
+          comm_scale: Mapping[int, float] | None = None,
+          submit: Submit | None = None) -> PendingRun:
+    """`run` in two halves: builds the problem now and, given `submit`, hands it to a
+    solver running elsewhere; `.result()` waits for the answer and reads the plan off it
+    (re-solving here with the memory rows if the answer does not fit the budget).
 
     Args:
       graph: the program.
@@ -123,6 +142,7 @@ def run(graph: Graph, mesh: MeshContext, *,
       comm_scale: equation index → factor on the communication its strategies carry (e.g.
         1/B for the matmuls producing parameter gradients that are reduced once per B
         micro-batches).
+      submit: where to solve (default: here, when `.result()` is called).
     """
     t0 = time.perf_counter()
     builder = _built(graph, mesh, forced, ties, batch_size, comm_scale)
@@ -130,7 +150,43 @@ def run(graph: Graph, mesh: MeshContext, *,
     # reduces much further (memory-free leaves and chains are eliminated exactly).
     problem = builder.problem(None)
     t_build = time.perf_counter() - t0
-    solution = solve(problem, time_limit_s=time_limit_s, backend=solver)
+    future = (submit(problem, time_limit_s=time_limit_s, backend=solver)
+              if submit is not None else None)
+    return PendingRun(graph, mesh, builder, problem, future, t_build, tuple(ties),
+                      memory_budget_bytes, solver, time_limit_s)
+
+
+@dataclasses.dataclass
+class PendingRun:
+    """An intra-op problem built and (maybe) being solved elsewhere; see `start`."""
+
+    graph: Graph
+    mesh: MeshContext
+    builder: _ProblemBuilder
+    problem: ShardingProblem
+    future: Future | None
+    build_s: float
+    ties: tuple[tuple[int, int], ...]
+    memory_budget_bytes: float | None
+    solver: Backend
+    time_limit_s: float
+
+    def result(self) -> IntraOpResult:
+        graph, mesh, builder, problem = self.graph, self.mesh, self.builder, self.problem
+        solver, time_limit_s = self.solver, self.time_limit_s
+        memory_budget_bytes = self.memory_budget_bytes
+        solution = (self.future.result() if self.future is not None else
+                    solve(problem, time_limit_s=time_limit_s, backend=solver))
+        return _finish(graph, mesh, builder, problem, solution, self.build_s, self.ties,
+                       memory_budget_bytes, solver, time_limit_s)
+
+
+def _finish(graph: Graph, mesh: MeshContext, builder: _ProblemBuilder,
+            problem: ShardingProblem, solution: Solution, t_build: float,
+            ties: Sequence[tuple[int, int]], memory_budget_bytes: float | None,
+            solver: Backend, time_limit_s: float) -> IntraOpResult:
+    """The plan read off `solution` (re-solved under scaled memory caps until the memory
+    model's estimate fits `memory_budget_bytes`: `fit_budget`)."""
     estimate = builder.estimate(solution.strategies)
     memory_bound = False
     solves = 1
@@ -313,6 +369,10 @@ class _ProblemBuilder:
         self.from_broadcast: set[int] = set()
         self.edges: dict[tuple[int, int], np.ndarray] = {}
         self.nodes_before_merge = 0
+        # Memo tables: a group's strategies give its values few distinct specs, so pricing
+        # per distinct spec (pair) instead of per strategy (pair) is exact and much faster.
+        self._reshard: dict[tuple[Spec, Spec, float], float] = {}
+        self._valid: dict[tuple[Spec, tuple[int, ...]], bool] = {}
         # (equation, operand position, value, group, spec per strategy) of enumerated
         # equations: the layouts their chosen strategy reads its operands in.
         self.operand_requirements: list[tuple[int, int, int, int, list]] = []
@@ -334,11 +394,28 @@ class _ProblemBuilder:
 
     def add_member(self, gid: int, vid: int, specs: list[Spec]) -> None:
         value = self.graph.values[vid]
-        fixed_specs = [s if is_valid(s, value.shape, self.mesh) else replicated(value.ndim)
+        fixed_specs = [s if self._is_valid(s, value.shape) else replicated(value.ndim)
                        for s in specs]
         self.group_of[vid] = gid
         self.specs[vid] = fixed_specs
         self.groups[gid].members.append(vid)
+
+    def _is_valid(self, spec: Spec, shape: tuple[int, ...]) -> bool:
+        key = (spec, shape)
+        ok = self._valid.get(key)
+        if ok is None:
+            ok = self._valid[key] = is_valid(spec, shape, self.mesh)
+        return ok
+
+    def reshard_cost(self, a: Spec, b: Spec | None, nbytes: float) -> float:
+        """`reshard_s(a, b, nbytes)`, memoized (0 when `b` is None: any layout)."""
+        if b is None or a == b:
+            return 0.0
+        key = (a, b, nbytes)
+        cost = self._reshard.get(key)
+        if cost is None:
+            cost = self._reshard[key] = reshard_s(a, b, nbytes, self.mesh)
+        return cost
 
     def require(self, vid: int, consumer_vid_or_gid: int, required: Sequence[Spec | None],
                 *, consumer_is_group: bool = False, eqn: int | None = None,
@@ -350,23 +427,17 @@ class _ProblemBuilder:
         if eqn is not None:
             self.requirements.append((eqn, position, vid, gv, list(required)))
         gu = self.group_of[vid]
-        value = self.graph.values[vid]
-        src = self.specs[vid]
-        cache: dict[tuple[Spec, Spec], float] = {}
-
-        def cost(a: Spec, b: Spec | None) -> float:
-            if b is None or a == b:
-                return 0.0
-            if (a, b) not in cache:
-                cache[(a, b)] = reshard_s(a, b, value.nbytes, self.mesh)
-            return cache[(a, b)]
-
+        nbytes = self.graph.values[vid].nbytes
+        src_index, src_specs = _distinct(self.specs[vid])
+        req_index, req_specs = _distinct(required)
+        table = np.array([[self.reshard_cost(a, b, nbytes) for b in req_specs]
+                          for a in src_specs], dtype=np.float64).reshape(
+                              len(src_specs), len(req_specs))
         if gu == gv:
             g = self.groups[gu]
-            g.comm_s += np.array([cost(src[i], required[i]) for i in range(g.num_strategies)])
+            g.comm_s += table[src_index, req_index]
             return
-        nu, nv = self.groups[gu].num_strategies, self.groups[gv].num_strategies
-        mat = np.array([[cost(src[i], required[j]) for j in range(nv)] for i in range(nu)])
+        mat = table[src_index[:, None], req_index[None, :]]
         key = (gu, gv)
         self.edges[key] = self.edges[key] + mat if key in self.edges else mat
 
@@ -441,14 +512,19 @@ class _ProblemBuilder:
         out_specs: list[list[Spec]] = [[] for _ in eqn.outputs]
         in_specs: list[list[Spec | None]] = [[] for _ in eqn.inputs]
         compute, comm = np.zeros(group.num_strategies), np.zeros(group.num_strategies)
+        # The rule's answer depends only on the leader's spec: once per distinct spec.
+        done: dict[Spec, tuple[st.FollowResult, float]] = {}
         for i in range(group.num_strategies):
-            res = _safe_follow(rule, info, lead, lead_specs[i], self.mesh)
+            hit = done.get(lead_specs[i])
+            if hit is None:
+                res = _safe_follow(rule, info, lead, lead_specs[i], self.mesh)
+                shards = self.mesh.shards(res.out_specs[0]) if res.out_specs else 1
+                hit = done[lead_specs[i]] = (res, st.compute_s(info, shards, self.mesh))
+            res, compute[i] = hit
             for k, s in enumerate(res.out_specs):
                 out_specs[k].append(s)
             for k, s in enumerate(res.in_specs):
                 in_specs[k].append(s)
-            shards = self.mesh.shards(res.out_specs[0]) if res.out_specs else 1
-            compute[i] = st.compute_s(info, shards, self.mesh)
             comm[i] = res.comm_s
         group.compute_s += compute
         group.comm_s += comm
@@ -544,12 +620,13 @@ class _ProblemBuilder:
         for v in members:
             if not info.materialized[v] or v in self.aliased:
                 continue
-            rows.append([vals[v].nbytes / self.mesh.shards(self.specs[v][i])
-                         for i in range(num)])
+            index, distinct = _distinct(self.specs[v])
+            shards = np.array([self.mesh.shards(sp) for sp in distinct], dtype=np.float64)
+            rows.append(float(vals[v].nbytes) / shards[index])
             spans.append((int(info.start[v]), max(int(info.end[v]), int(info.start[v]) + 1)))
         for v, partial in group.partials:
             s0 = int(info.start[v])
-            rows.append(list(partial))
+            rows.append(np.asarray(partial, dtype=np.float64))
             spans.append((s0, s0 + 1))
         if not rows:
             return np.zeros(num), (0, 0)
@@ -603,6 +680,14 @@ class _ProblemBuilder:
         return dict(value_bytes=value_bytes, aliased=self.aliased, partial=partial,
                     reshards=reshards,
                     scatter_as_all_reduce=self.mesh.cluster.device_kind == "cpu")
+
+
+def _distinct(specs: Sequence[Spec | None]) -> tuple[np.ndarray, list[Spec | None]]:
+    """(index of each entry in the distinct list, the distinct specs in first-seen order)."""
+    index: dict[Spec | None, int] = {}
+    out = np.fromiter((index.setdefault(s, len(index)) for s in specs), dtype=np.int64,
+                      count=len(specs))
+    return out, list(index)
 
 
 def _dedupe(strategies: list[st.Strategy]) -> list[st.Strategy]:

@@ -95,10 +95,12 @@ def test_stage_programs_compile_for_inspection():
     case = make_case("mlp", "sgd")
     step = _pipeshard(case, num_micro_batches=2, num_stages=2)
     compiled = step.lower(*case.init()).compile()
-    assert len(compiled) == 2
-    for stage in compiled:
+    assert len(compiled.stages) == 2
+    for stage in compiled.stages:
         assert "dot" in stage.forward.as_text()
         assert stage.backward.memory_analysis() is not None
+    names = {name for name, *_ in compiled.programs()}
+    assert names == {"forward", "backward", "zeros", "finalize", "apply"}
 
 
 def test_manual_3d_baseline():

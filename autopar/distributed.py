@@ -1,0 +1,433 @@
+"""Several processes (hosts) on `jax.distributed`: start-up, one plan everywhere, global
+batches and state placed in a plan's shardings.
+
+Multi-controller JAX: every process runs the same script, meshes span the devices of all
+processes, and XLA's collectives (NCCL on GPUs, gloo on CPUs) move the data.  autopar adds:
+
+- `initialize()`: `jax.distributed.initialize` with the settings autopar needs (gloo for
+  CPU collectives, the cross-process transfer socket, bounded start-up and heartbeat
+  timeouts); under `autopar launch` every argument comes from the environment
+  (`LaunchEnv`), on a cluster from JAX's own detection (SLURM, Open MPI, Kubernetes, TPU).
+- `one_plan(...)`: called by `ParallelizedFunction` when a step's devices span processes.
+  Process 0 searches; its plan JSON goes to the others through the distributed key-value
+  store; every process checks the plan against its own trace and all of them confirm the
+  same (fingerprint, plan hash) before the first step.  Two searches never run two plans.
+- `global_batch(...)` / `process_rows(...)`: a global batch from each process's rows.
+- `input_shardings(step, *args)`: the shardings a single-mesh plan expects for every
+  argument, to create state directly in place (`jax.jit(init, out_shardings=...)`).
+
+A process that dies makes the others stop within the heartbeat timeout (JAX's distributed
+runtime terminates them with "tasks ... stopped sending heartbeats"); a process that never
+arrives makes the others stop after the initialization timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import signal
+import sys
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
+
+from .plan import Plan, PlanError
+
+# Defaults for real clusters (JAX's own are 300 s and 100 s); `autopar launch` uses shorter
+# ones (local processes start in seconds).
+INITIALIZATION_TIMEOUT_S = 300
+HEARTBEAT_TIMEOUT_S = 60
+SHUTDOWN_TIMEOUT_S = 300
+# How long a process waits for process 0's plan (the search may take minutes on big models);
+# the environment variable AUTOPAR_PLAN_TIMEOUT_S overrides it.
+PLAN_TIMEOUT_S = 3600.0
+_CHUNK_BYTES = 1 << 20  # key-value store values are sent in chunks of at most 1 MiB
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchEnv:
+    """What `autopar launch` tells each process, through environment variables.
+
+    Attributes:
+      coordinator_address: host:port of the coordination service (run by process 0).
+      num_processes: processes in the job.
+      process_id: this process's rank, 0 .. num_processes - 1.
+      devices_per_process: emulated CPU devices per process (None: the real devices).
+      transfer_address: host:port of this process's socket for cross-process
+        `jax.device_put` (None: not set).
+      initialization_timeout_s / heartbeat_timeout_s / shutdown_timeout_s: seconds.
+      launcher_pid: the launcher's process id (the process dies with it).
+    """
+
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    devices_per_process: int | None = None
+    transfer_address: str | None = None
+    initialization_timeout_s: int = INITIALIZATION_TIMEOUT_S
+    heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S
+    shutdown_timeout_s: int = SHUTDOWN_TIMEOUT_S
+    launcher_pid: int | None = None
+
+    _VARS = {"coordinator_address": "AUTOPAR_COORDINATOR_ADDRESS",
+             "num_processes": "AUTOPAR_NUM_PROCESSES",
+             "process_id": "AUTOPAR_PROCESS_ID",
+             "devices_per_process": "AUTOPAR_DEVICES_PER_PROCESS",
+             "transfer_address": "AUTOPAR_TRANSFER_ADDRESS",
+             "initialization_timeout_s": "AUTOPAR_INITIALIZATION_TIMEOUT_S",
+             "heartbeat_timeout_s": "AUTOPAR_HEARTBEAT_TIMEOUT_S",
+             "shutdown_timeout_s": "AUTOPAR_SHUTDOWN_TIMEOUT_S",
+             "launcher_pid": "AUTOPAR_LAUNCHER_PID"}
+
+    def to_env(self) -> dict[str, str]:
+        return {var: str(getattr(self, field)) for field, var in self._VARS.items()
+                if getattr(self, field) is not None}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
+        """The launcher's settings, or None when this process was not started by
+        `autopar launch`."""
+        environ = os.environ if environ is None else environ
+        if cls._VARS["num_processes"] not in environ:
+            return None
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            var = cls._VARS[field.name]
+            if var not in environ:
+                continue
+            text = environ[var]
+            try:
+                values[field.name] = text if field.name.endswith("address") else int(text)
+            except ValueError:
+                raise ValueError(f"environment variable {var}={text!r}: expected an int") from None
+        missing = [cls._VARS[f] for f in ("coordinator_address", "process_id") if f not in values]
+        if missing:
+            raise ValueError(f"AUTOPAR_NUM_PROCESSES is set but {missing} are not: start the "
+                             f"script with `autopar launch` or unset AUTOPAR_NUM_PROCESSES")
+        return cls(**values)
+
+
+def launched() -> bool:
+    """Whether this process was started by `autopar launch`."""
+    return LaunchEnv.from_env() is not None
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, cpu_devices: int | None = None,
+               transfer_address: str | None = None,
+               initialization_timeout_s: int = INITIALIZATION_TIMEOUT_S,
+               heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
+               shutdown_timeout_s: int = SHUTDOWN_TIMEOUT_S) -> None:
+    """Joins this process to the job; call it first, before any JAX computation.
+
+    Under `autopar launch` every setting comes from the environment and the arguments must
+    be left out.  Elsewhere they go to `jax.distributed.initialize` (None: JAX detects the
+    job from SLURM, Open MPI, Kubernetes or a Cloud TPU environment).
+
+    Args:
+      coordinator_address / num_processes / process_id: as `jax.distributed.initialize`.
+      cpu_devices: emulated CPU devices in this process (`jax_num_cpu_devices`).
+      transfer_address: host:port, reachable from the other hosts, where this process
+        accepts cross-process `jax.device_put` transfers (needed by backends without
+        their own, e.g. CPU; pipeline stages on different hosts move data this way).
+      initialization_timeout_s: how long process start-up waits for every process.
+      heartbeat_timeout_s: a process silent this long is declared dead and the others stop.
+      shutdown_timeout_s: how long a finishing process waits for the others at exit.
+
+    An uncaught exception then ends the process at once (exit status 1, after its
+    traceback), so that the others stop within the heartbeat timeout rather than after the
+    shutdown timeout.
+    """
+    env = LaunchEnv.from_env()
+    if env is not None:
+        given = [name for name, v in (("coordinator_address", coordinator_address),
+                                      ("num_processes", num_processes),
+                                      ("process_id", process_id), ("cpu_devices", cpu_devices),
+                                      ("transfer_address", transfer_address)) if v is not None]
+        if given:
+            raise ValueError(f"autopar.distributed.initialize: this process was started by "
+                             f"`autopar launch`, which sets {given} itself; call initialize() "
+                             f"without them")
+        coordinator_address, num_processes = env.coordinator_address, env.num_processes
+        process_id, cpu_devices = env.process_id, env.devices_per_process
+        transfer_address = env.transfer_address
+        initialization_timeout_s = env.initialization_timeout_s
+        heartbeat_timeout_s = env.heartbeat_timeout_s
+        shutdown_timeout_s = env.shutdown_timeout_s
+        if env.launcher_pid is not None:
+            _die_with(env.launcher_pid)
+    settings = {"jax_cpu_collectives_implementation": "gloo"}
+    if cpu_devices is not None:
+        settings["jax_num_cpu_devices"] = cpu_devices
+    if transfer_address is not None:
+        settings["jax_cross_host_transfer_socket_address"] = transfer_address
+    for name, value in settings.items():
+        try:
+            jax.config.update(name, value)
+        except RuntimeError as err:
+            raise RuntimeError(f"autopar.distributed.initialize must run before any JAX "
+                               f"computation (setting {name}: {err})") from None
+    jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                               initialization_timeout=initialization_timeout_s,
+                               heartbeat_timeout_seconds=heartbeat_timeout_s,
+                               shutdown_timeout_seconds=shutdown_timeout_s)
+    _exit_at_once_on_errors()
+
+
+def _exit_at_once_on_errors() -> None:
+    """An uncaught exception ends the process at once (status 1, after the traceback):
+    at a normal exit, JAX's shutdown waits up to the shutdown timeout for processes that
+    are stuck waiting for this one; exiting at once lets them stop within the heartbeat
+    timeout instead."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        previous(kind, value, traceback)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
+
+    sys.excepthook = hook
+
+
+def _die_with(parent_pid: int) -> None:
+    """On Linux, asks for SIGKILL when the launcher dies (even by SIGKILL, when it cannot
+    clean up), so that no process outlives its launch."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the launcher died before the request
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---- one plan everywhere -----------------------------------------------------------------
+
+def spans_processes(devices: Sequence[jax.Device] | None) -> bool:
+    """Whether `devices` belong to more than one process (None: offline, no devices)."""
+    return devices is not None and len({d.process_index for d in devices}) > 1
+
+
+def plan_hash(plan: Plan) -> str:
+    """16 hex digits of SHA-256 over the plan's JSON."""
+    text = json.dumps(plan.to_json(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# Every process plans its steps in the same order (the same script), so the k-th plan of
+# one process is the k-th plan of every other: the k-th exchange uses keys "autopar/plan/k".
+_exchange_ids = itertools.count()
+
+
+def one_plan(fp: str, devices: Sequence[jax.Device] | None, search: Callable[[], Plan],
+             check: Callable[[Plan], Plan], fixed: Plan | None) -> Plan:
+    """The plan every process runs.
+
+    One process (or offline): `check(fixed)` when a plan is given, else `search()`.
+    Several: process 0 publishes its plan (given, or searched), which the processes without
+    a given plan take; every process checks the plan it holds against its own trace (`check`
+    raises for a plan that does not fit the program, e.g. `FingerprintError`).  Then every
+    process publishes the fingerprint and plan hash it will run and compares them with
+    everyone's; any difference or error raises `PlanError` in every process, before the
+    first step.
+    """
+    if not spans_processes(devices):
+        return check(fixed) if fixed is not None else search()
+    key = f"autopar/plan/{next(_exchange_ids)}"
+    rank, count = jax.process_index(), jax.process_count()
+    store = _Store()
+    try:
+        if rank == 0:
+            try:
+                plan = fixed if fixed is not None else search()
+            except BaseException as err:
+                store.put(f"{key}/plan", {"error": f"{type(err).__name__}: {err}"})
+                raise
+            store.put(f"{key}/plan", {"plan": plan.to_json()})
+        elif fixed is not None:
+            plan = fixed
+        else:
+            sent = store.get(f"{key}/plan", _plan_timeout_s(),
+                             "process 0's plan (process 0 searches it)")
+            if "error" in sent:
+                raise PlanError(f"process 0 could not plan this step: {sent['error']}")
+            plan = Plan.from_json(sent["plan"], source="process 0's plan")
+        if plan.fingerprint != fp:
+            raise PlanError(
+                f"process {rank} traced a different program than process 0 (fingerprint {fp} "
+                f"here, {plan.fingerprint} in process 0's plan): every process must call the "
+                f"step with the same global argument shapes (build batches with "
+                f"autopar.distributed.global_batch)")
+        plan = check(plan)
+    except Exception as err:
+        # Tell the others why, so that they stop at once with this reason (best effort: the
+        # error raised here is the one that matters).
+        with contextlib.suppress(Exception):
+            store.put(f"{key}/ack/{rank}", {"error": f"{type(err).__name__}: {err}"})
+        raise
+    mine = {"fingerprint": fp, "plan": plan_hash(plan)}
+    store.put(f"{key}/ack/{rank}", mine)
+    acks = {k: store.get(f"{key}/ack/{k}", _plan_timeout_s(), f"process {k}'s plan check")
+            for k in range(count) if k != rank}
+    bad = {k: a for k, a in acks.items() if a != mine}
+    if bad:
+        lines = "; ".join(f"process {k}: " + (a["error"] if "error" in a else
+                          f"fingerprint {a['fingerprint']}, plan {a['plan']}")
+                          for k, a in sorted(bad.items()))
+        raise PlanError(f"the processes do not run one plan (process {rank}: fingerprint "
+                        f"{fp}, plan {mine['plan']}); {lines}")
+    return plan
+
+
+def _plan_timeout_s() -> float:
+    text = os.environ.get("AUTOPAR_PLAN_TIMEOUT_S")
+    if text is None:
+        return PLAN_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"AUTOPAR_PLAN_TIMEOUT_S={text!r}: expected a positive number of "
+                         f"seconds")
+    return value
+
+
+class _Store:
+    """JSON values in the distributed key-value store of `jax.distributed` (compressed,
+    in chunks).  jax 0.10.2 has no public API for the store: its client lives in
+    `jax._src.distributed.global_state` (Orbax reaches it the same way)."""
+
+    def __init__(self):
+        from jax._src import distributed as _distributed
+
+        self.client = _distributed.global_state.client
+        if self.client is None:
+            raise RuntimeError("several JAX processes but no jax.distributed client: start "
+                               "the processes with autopar.distributed.initialize()")
+
+    def put(self, key: str, value: dict) -> None:
+        data = zlib.compress(json.dumps(value).encode())
+        chunks = [data[i:i + _CHUNK_BYTES] for i in range(0, len(data), _CHUNK_BYTES)]
+        for i, chunk in enumerate(chunks):
+            self.client.key_value_set_bytes(f"{key}/{i}", chunk)
+        self.client.key_value_set(key, str(len(chunks)))  # written last: the value is whole
+
+    def get(self, key: str, timeout_s: float, what: str) -> dict:
+        ms = max(1, int(timeout_s * 1000))
+        try:
+            count = int(self.client.blocking_key_value_get(key, ms))
+            data = b"".join(self.client.blocking_key_value_get_bytes(f"{key}/{i}", ms)
+                            for i in range(count))
+        except Exception as err:  # the client raises XlaRuntimeError (DEADLINE_EXCEEDED)
+            raise PlanError(f"process {jax.process_index()} waited {timeout_s:g} s for "
+                            f"{what} and gave up ({type(err).__name__}: "
+                            f"{str(err).splitlines()[0]}); set AUTOPAR_PLAN_TIMEOUT_S to wait "
+                            f"longer") from None
+        return json.loads(zlib.decompress(data))
+
+
+# ---- global batches and state ---------------------------------------------------------------
+
+def process_rows(sharding: Sharding, global_shape: Sequence[int]) -> slice:
+    """The rows (dim 0) of a global array of `global_shape` that this process passes to
+    `global_batch`: the rows its devices hold when the sharding splits dim 0 across
+    processes in process order (process k of N: rows k·B/N .. (k+1)·B/N for a batch
+    split over every device), all rows when dim 0 is replicated across processes."""
+    global_shape = tuple(global_shape)
+    if not global_shape:
+        return slice(0, 0)
+    rows = [idx[0] for idx in sharding.addressable_devices_indices_map(global_shape).values()]
+    spans = sorted({(r.start or 0, global_shape[0] if r.stop is None else r.stop)
+                    for r in rows})
+    start, stop = spans[0][0], spans[0][1]
+    for a, b in spans[1:]:
+        if a > stop:  # this process's rows are not contiguous: it passes all of them
+            return slice(0, global_shape[0])
+        stop = max(stop, b)
+    return slice(start, stop)
+
+
+def global_batch(local_batch: Any, shardings: Any, batch_size: int) -> Any:
+    """The global batch (a pytree of `jax.Array`s over every process's devices) built from
+    this process's rows: `local_batch` holds, for every leaf, rows
+    `process_rows(sharding, (batch_size, ...))` of the global batch (`jax.make_array_from
+    _process_local_data`).  `shardings` is a pytree of shardings matching `local_batch`
+    (or one sharding for every leaf); `batch_size` is the global batch size (dim 0)."""
+    leaves, tree = jax.tree_util.tree_flatten(local_batch)
+    if isinstance(shardings, Sharding):
+        sh_leaves = [shardings] * len(leaves)
+    else:
+        sh_leaves = tree.flatten_up_to(shardings)
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(local_batch)[0]]
+    out = []
+    for path, x, sharding in zip(paths, leaves, sh_leaves):
+        x = np.asarray(x)
+        if x.ndim == 0:
+            raise ValueError(f"global_batch: leaf batch{path} is a scalar; batch leaves have "
+                             f"the batch as dim 0")
+        shape = (batch_size, *x.shape[1:])
+        rows = process_rows(sharding, shape)
+        if x.shape[0] != rows.stop - rows.start:
+            raise ValueError(
+                f"global_batch: process {jax.process_index()} passed {x.shape[0]} rows of "
+                f"batch{path}, but its devices hold rows {rows.start}:{rows.stop} of the "
+                f"global batch of {batch_size} (pass exactly those rows)")
+        out.append(jax.make_array_from_process_local_data(sharding, x, shape))
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def input_shardings(step, *args) -> tuple:
+    """The sharding the step's plan expects for each argument (a pytree of
+    `NamedSharding`s per non-static argument), for single-mesh plans (ShardParallel,
+    DataParallel, ZeRO).  `args` may be `jax.ShapeDtypeStruct`s.  Create the state in place
+    with `jax.jit(init, out_shardings=state_sharding)()` and the batch with
+    `global_batch(rows, batch_sharding, batch_size)`: nothing is gathered on one host."""
+    from .emit import build_mesh, to_pspec
+
+    traced = step.trace(*args)
+    plan = traced.plan
+    if plan.stages:
+        raise ValueError(f"input_shardings: the plan of {step.__name__} is a pipeline plan "
+                         f"({len(plan.stages)} stages), whose stages place their own inputs; "
+                         f"it gives shardings for single-mesh plans")
+    mesh = build_mesh(plan, step.devices)
+    leaves = [NamedSharding(mesh, to_pspec(s)) for s in plan.in_specs]
+    return tuple(jax.tree_util.tree_unflatten(traced.in_tree, leaves))
+
+
+def gather(tree: Any) -> Any:
+    """Every leaf as a full numpy array on every process (for checks and logging: it copies
+    the whole pytree to every host).  Every process must call it.  One program per mesh
+    replicates the leaves that this process does not hold whole."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    by_mesh: dict[Any, list[int]] = {}
+    for k, x in enumerate(leaves):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            by_mesh.setdefault(_replicated(x).mesh, []).append(k)
+    for mesh, todo in by_mesh.items():
+        whole = NamedSharding(mesh, PartitionSpec())
+        copies = jax.jit(lambda *xs: xs, out_shardings=(whole,) * len(todo))(
+            *[leaves[k] for k in todo])
+        for k, x in zip(todo, copies):
+            leaves[k] = x
+    return jax.tree_util.tree_unflatten(treedef, [np.asarray(x) for x in leaves])
+
+
+def _replicated(x: jax.Array) -> Sharding:
+    if isinstance(x.sharding, NamedSharding):
+        return NamedSharding(x.sharding.mesh, PartitionSpec())
+    raise TypeError(f"gather: a {type(x.sharding).__name__} array of shape {x.shape}; "
+                    f"gather takes arrays with a NamedSharding (what autopar steps return)")

@@ -1,0 +1,214 @@
+"""Gradient accumulation without a reduction per micro-batch.
+
+When a stage's plan computes a parameter gradient with a contraction over a split dimension
+(the batch, split for data parallelism: `dW = xᵀ·dy` with x and dy split on rows over mesh
+axis x), XLA would all-reduce the result over x in every micro-batch's backward.  Instead
+the runtime evaluates that contraction shard-locally over x (`jax.shard_map` over x only,
+the other mesh axes left to the partitioner) and keeps the per-device partial sums stacked
+on a new leading dimension split over x: `[|x|, *shape]`, no communication.  The linear
+equations between the contraction and the gradient output (layout changes, sums of
+contributions) are applied to every partial sum.  The stage's backward adds these into
+donated accumulators; once per step, `finalize` sums the stack into the parameter's layout:
+one all-reduce (or reduce-scatter) per gradient per step, where the planner priced it.
+
+A gradient on its way through the backward is a `GradSum`: a dict from the tuple of mesh
+axes its parts are not reduced over (`()`: an ordinary, reduced array) to the array.
+Equations the deferral does not cover read the sum of the parts (the reduction happens
+there, as XLA would have done it) — correct, only not deferred.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from autopar.graph import Graph, Lit
+from autopar.interpret import bind
+from autopar.passes.sharding_spec import Spec
+
+from .emit import to_pspec
+
+# Equations that map a sum of parts to the sum of their images.
+_LINEAR_UNARY = frozenset({"convert_element_type", "reshape", "transpose", "copy", "copy_p",
+                           "squeeze", "expand_dims", "reduce_precision", "broadcast_in_dim",
+                           "neg"})
+_LINEAR_SUM = frozenset({"add", "add_any"})
+
+
+@dataclasses.dataclass(frozen=True)
+class GradSum:
+    """A value as a sum of parts: `parts[()]` is an ordinary array; `parts[axes]` holds
+    partial sums stacked on dim 0 (split over `axes`), still to be summed over that dim."""
+
+    parts: Mapping[tuple[str, ...], Any]
+
+    def total(self) -> Any:
+        """The value itself (sums the stacks: a reduction over their axes)."""
+        out = None
+        for axes, x in self.parts.items():
+            x = x.sum(axis=0) if axes else x
+            out = x if out is None else out + x
+        return out
+
+    def __add__(self, other: GradSum) -> GradSum:
+        parts = dict(self.parts)
+        for k, x in other.parts.items():
+            parts[k] = parts[k] + x if k in parts else x
+        return GradSum(parts)
+
+
+def _strip(spec: Spec, axes: Sequence[str]) -> Spec:
+    return tuple(tuple(a for a in dim if a not in axes) for dim in spec)
+
+
+def stacked_spec(spec: Spec, axes: tuple[str, ...]) -> Spec:
+    """The layout of partial sums over `axes` of a value laid out as `spec`."""
+    return (tuple(axes),) + _strip(spec, axes)
+
+
+def _axes_on(spec: Spec | None, dims: Sequence[int]) -> list[str]:
+    if spec is None:
+        return []
+    return [a for d in dims for a in spec[d]]
+
+
+def _dot_axes(eqn: Any, read_specs: Sequence[Spec | None]) -> list[str]:
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    rhs = set(_axes_on(read_specs[1], rc))
+    return [a for a in _axes_on(read_specs[0], lc) if a in rhs]
+
+
+def _reduce_sum_axes(eqn: Any, read_specs: Sequence[Spec | None]) -> list[str]:
+    return _axes_on(read_specs[0], eqn.params["axes"])
+
+
+# Contractions whose result is a sum over a dimension: name → the mesh axes that dimension
+# is split over in the operands' read layouts (a shard-local evaluation gives partial sums).
+_CONTRACTIONS = {"dot_general": _dot_axes, "reduce_sum": _reduce_sum_axes}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Deferral:
+    """Which equations of a layer's backward keep their gradient sums unreduced.
+
+    Attributes:
+      contractions: equation index → (mesh axes kept unreduced, read spec of each operand).
+      linear: equations between a deferred contraction and a gradient output.
+      specs: value id → planned spec (for the layouts of stacked parts).
+    """
+
+    contractions: Mapping[int, tuple[tuple[str, ...], tuple[Spec, ...]]]
+    linear: frozenset[int]
+    specs: Mapping[int, Spec]
+
+    @staticmethod
+    def find(fb: Graph, eqns: Sequence[int], grad_outs: Sequence[int],
+             value_specs: Mapping[int, Spec], operand_specs: Mapping[tuple[int, int], Spec],
+             ) -> Deferral:
+        """Walks back from the parameter gradients `grad_outs` (value ids of `fb`) through
+        linear equations of `eqns` to the contractions that produce them."""
+        inside = set(eqns)
+        contractions: dict[int, tuple[tuple[str, ...], tuple[Spec, ...]]] = {}
+        linear: set[int] = set()
+        stack, seen = [v for v in grad_outs if isinstance(v, int)], set()
+        while stack:
+            vid = stack.pop()
+            if vid in seen:
+                continue
+            seen.add(vid)
+            k = fb.values[vid].producer
+            if k is None or k not in inside:
+                continue
+            eqn = fb.eqns[k]
+            if eqn.name in _LINEAR_UNARY or eqn.name in _LINEAR_SUM:
+                linear.add(k)
+                stack.extend(op for op in eqn.inputs if isinstance(op, int))
+            elif eqn.name in _CONTRACTIONS:
+                reads = tuple(operand_specs.get((k, j), value_specs.get(op))
+                              if isinstance(op, int) else None
+                              for j, op in enumerate(eqn.inputs))
+                if any(r is None for r in reads):
+                    continue
+                axes = _CONTRACTIONS[eqn.name](eqn, reads)
+                if axes:
+                    contractions[k] = (tuple(axes), reads)
+        return Deferral(contractions, frozenset(linear), value_specs)
+
+    def __bool__(self) -> bool:
+        return bool(self.contractions)
+
+
+class DeferredBackward:
+    """`override` hook for `LayerProgram.run_backward` on `mesh` implementing a Deferral."""
+
+    def __init__(self, fb: Graph, deferral: Deferral, mesh: Mesh):
+        self.fb, self.deferral, self.mesh = fb, deferral, mesh
+
+    def _constrain(self, x: Any, spec: Spec) -> Any:
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, to_pspec(spec)))
+
+    def _value(self, x: Any, vid: Any) -> Any:
+        """An operand as an ordinary array (summing a GradSum in the operand's layout)."""
+        if not isinstance(x, GradSum):
+            return x
+        total = x.total()
+        spec = self.deferral.specs.get(vid) if isinstance(vid, int) else None
+        return total if spec is None else self._constrain(total, spec)
+
+    def __call__(self, key: int, eqn: Any, ins: list) -> list | None:
+        d = self.deferral
+        if key in d.contractions:
+            return [self._contract(key, eqn, [self._value(x, v)
+                                              for x, v in zip(ins, eqn.inputs)])]
+        if not any(isinstance(x, GradSum) for x in ins):
+            return None
+        if key in d.linear and not any(isinstance(v, Lit) for v in eqn.inputs):
+            out_spec = d.specs.get(eqn.outputs[0])
+            if eqn.name in _LINEAR_SUM:
+                total = GradSum({})
+                for x in ins:
+                    total = total + (x if isinstance(x, GradSum) else GradSum({(): x}))
+                return [total]
+            (x,) = ins
+            parts = {}
+            for axes, part in x.parts.items():
+                if axes:
+                    y = jax.vmap(lambda p: bind(eqn, [p])[0])(part)
+                    if out_spec is not None:
+                        y = self._constrain(y, stacked_spec(out_spec, axes))
+                else:
+                    y = bind(eqn, [part])[0]
+                parts[axes] = y
+            return [GradSum(parts)]
+        return bind(eqn, [self._value(x, v) for x, v in zip(ins, eqn.inputs)])
+
+    def _contract(self, key: int, eqn: Any, ins: list) -> GradSum:
+        axes, reads = self.deferral.contractions[key]
+        manual = set(axes)
+
+        def manual_only(spec: Spec) -> PartitionSpec:
+            return to_pspec(tuple(tuple(a for a in dim if a in manual) for dim in spec))
+
+        def local(*ops):
+            return bind(eqn, list(ops))[0][None]
+
+        ins = [self._constrain(x, spec) for x, spec in zip(ins, reads)]
+        stacked = jax.shard_map(local, mesh=self.mesh, in_specs=tuple(map(manual_only, reads)),
+                                out_specs=to_pspec(((axes),)), axis_names=manual)(*ins)
+        out_spec = self.deferral.specs.get(eqn.outputs[0])
+        if out_spec is not None:
+            stacked = self._constrain(stacked, stacked_spec(out_spec, axes))
+        return GradSum({axes: stacked})
+
+
+def as_grad_sum(x: Any) -> GradSum:
+    return x if isinstance(x, GradSum) else GradSum({(): x})
+
+
+def zeros_like_parts(parts: Mapping[tuple[str, ...], jax.ShapeDtypeStruct]) -> dict:
+    return {axes: jnp.zeros(p.shape, p.dtype) for axes, p in parts.items()}

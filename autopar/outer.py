@@ -1,0 +1,209 @@
+"""The outer program of a pipelined step: the batch-free work before the compute-grad
+equation and everything after it (apply-grad), run once per step.
+
+Its equations are grouped into jitted segments, each on one stage's mesh: an equation runs
+on the stage holding most of its input bytes, one round after any input made on another
+stage (a transfer happens between rounds), so data only flows forward — a global-norm
+clip, say, becomes per-stage partial norms, one combine, per-stage updates.
+
+Layouts: every parameter lives on its owner stage (the first that reads it) in that stage's
+planned layout; its gradient, and every value computed from them by elementwise equations
+of the same shape (optimizer moments, updates, the new parameter) or tied to them as the
+step's new state, take the same layout on the same stage.  Segments are compiled with
+those shardings in and out, so state keeps its layout across steps and nothing is
+replicated by accident; donated state is updated in place.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+
+from autopar.graph import ELEMENTWISE
+from autopar.interpret import run_eqns
+
+
+@dataclasses.dataclass(eq=False)
+class Segment:
+    """Equations of the outer program run as one jit on one stage."""
+
+    stage: int
+    eqns: list[int]
+    inputs: list[Any] = dataclasses.field(default_factory=list)
+    outputs: list[Any] = dataclasses.field(default_factory=list)
+    in_shardings: list[Sharding] = dataclasses.field(default_factory=list)
+    out_shardings: list[Sharding] = dataclasses.field(default_factory=list)
+    donate: tuple[int, ...] = ()
+    fn: Any = None
+
+
+def _nbytes(v: Any) -> int:
+    return int(np.prod(v.aval.shape)) * getattr(v.aval.dtype, "itemsize", 4)
+
+
+class _Classes:
+    """Union-find over jaxpr variables."""
+
+    def __init__(self):
+        self.parent: dict[Any, Any] = {}
+
+    def find(self, v: Any) -> Any:
+        root = v
+        while self.parent.get(root, root) is not root:
+            root = self.parent[root]
+        while v is not root:
+            self.parent[v], v = root, self.parent.get(v, v)
+        return root
+
+    def union(self, a: Any, b: Any) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra is not rb:
+            self.parent[ra] = rb
+
+
+def state_layouts(jaxpr: jcore.Jaxpr, eqns: Sequence[int], known: Mapping[Any, tuple[int,
+                  Sharding]], ties: Sequence[tuple[Any, Any]]) -> dict[Any, tuple[int, Sharding]]:
+    """(stage, sharding) of every variable connected to one with a known layout by
+    same-shape elementwise equations among `eqns` or by `ties` (new state, old state)."""
+    classes = _Classes()
+    for i in eqns:
+        e = jaxpr.eqns[i]
+        if e.primitive.name not in ELEMENTWISE or len(e.outvars) != 1:
+            continue
+        out = e.outvars[0]
+        for v in e.invars:
+            if not isinstance(v, jcore.Literal) and v.aval.shape == out.aval.shape:
+                classes.union(v, out)
+    for a, b in ties:
+        if not isinstance(a, jcore.Literal) and not isinstance(b, jcore.Literal):
+            classes.union(a, b)
+    by_class: dict[Any, tuple[int, Sharding]] = {}
+    for v, layout in known.items():
+        by_class.setdefault(classes.find(v), layout)
+    out: dict[Any, tuple[int, Sharding]] = {}
+    candidates = set(known) | set(classes.parent)
+    for i in eqns:
+        candidates.update(v for v in jaxpr.eqns[i].outvars)
+        candidates.update(v for v in jaxpr.eqns[i].invars if not isinstance(v, jcore.Literal))
+    for v in candidates:
+        layout = by_class.get(classes.find(v))
+        if layout is not None:
+            out[v] = layout
+    return out
+
+
+def assign(jaxpr: jcore.Jaxpr, indices: Sequence[int], home: dict[Any, int]) -> list[Segment]:
+    """Groups equations `indices` into segments (see the module docstring); `home` (variable
+    → stage) is read and extended."""
+    rounds: dict[Any, int] = {}
+    groups: dict[tuple[int, int], Segment] = {}
+    for i in indices:
+        eqn = jaxpr.eqns[i]
+        ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+        known = [v for v in ins if v in home]
+        stage = home[max(known, key=_nbytes)] if known else 0
+        for v in eqn.outvars:
+            if v in home:   # a value with a layout of its own decides where it is made
+                stage = home[v]
+                break
+        for v in ins:
+            home.setdefault(v, stage)
+        r = max([rounds.get(v, 0) + (home[v] != stage) for v in ins], default=0)
+        seg = groups.get((r, stage))
+        if seg is None:
+            seg = groups[(r, stage)] = Segment(stage, [])
+        seg.eqns.append(i)
+        for v in eqn.outvars:
+            home.setdefault(v, stage)
+            rounds[v] = r
+    return [groups[k] for k in sorted(groups)]
+
+
+def wire(closed: jcore.ClosedJaxpr, segments: list[Segment], needed_later: set[Any],
+         layouts: Mapping[Any, tuple[int, Sharding]], meshes: Sequence[Mesh],
+         donatable: set[Any]) -> None:
+    """Fills each segment's inputs, outputs, shardings, donation and jitted function.
+
+    A value with a layout (`layouts`) takes it on its stage; any other value a segment
+    reads or makes is replicated on the segment's stage.
+    `donatable`: step input variables the step may overwrite; each is donated to its last
+    reader when that segment makes an output of the same shape, dtype and layout for XLA
+    to write into (an optimizer moment's buffer may hold `b1 * mu` in one segment)."""
+    jaxpr = closed.jaxpr
+    readers: dict[Any, list[int]] = {}
+    for k, seg in enumerate(segments):
+        produced = {v for i in seg.eqns for v in jaxpr.eqns[i].outvars}
+        reads: list[Any] = []
+        for i in seg.eqns:
+            for v in jaxpr.eqns[i].invars:
+                if not isinstance(v, jcore.Literal) and v not in produced and v not in reads:
+                    reads.append(v)
+        seg.inputs = reads
+        for v in reads:
+            readers.setdefault(v, []).append(k)
+    for k, seg in enumerate(segments):
+        produced = [v for i in seg.eqns for v in jaxpr.eqns[i].outvars]
+        used_elsewhere = {v for other in segments if other is not seg for v in other.inputs}
+        seg.outputs = [v for v in produced if v in used_elsewhere or v in needed_later]
+        replicated = NamedSharding(meshes[seg.stage], PartitionSpec())
+
+        def sharding(v: Any, stage: int = seg.stage, default: Sharding = replicated
+                     ) -> Sharding:
+            layout = layouts.get(v)
+            if layout is not None and layout[0] == stage:
+                return layout[1]
+            return default
+
+        seg.in_shardings = [sharding(v) for v in seg.inputs]
+        seg.out_shardings = [sharding(v) for v in seg.outputs]
+        free = collections.Counter((v.aval.shape, v.aval.dtype, sh)
+                                   for v, sh in zip(seg.outputs, seg.out_shardings))
+        donate = []
+        for j, v in enumerate(seg.inputs):
+            key = (v.aval.shape, v.aval.dtype, seg.in_shardings[j])
+            if v in donatable and readers[v][-1] == k and free[key] > 0:
+                free[key] -= 1
+                donate.append(j)
+        seg.donate = tuple(donate)
+        seg.fn = jax.jit(_segment_fn(closed, seg), in_shardings=seg.in_shardings,
+                         out_shardings=seg.out_shardings, donate_argnums=seg.donate)
+
+
+def _segment_fn(closed: jcore.ClosedJaxpr, seg: Segment) -> Callable:
+    jaxpr = closed.jaxpr
+    consts = dict(zip(jaxpr.constvars, closed.consts))
+
+    def fn(*xs):
+        env = dict(consts)
+        env.update(zip(seg.inputs, xs))
+        run_eqns(((i, jaxpr.eqns[i]) for i in seg.eqns), env, keyed=True)
+        return [env[v] for v in seg.outputs]
+
+    return fn
+
+
+def place(x: Any, sharding: Sharding, private: bool = False) -> Any:
+    """`x` laid out as `sharding`: itself when it already is, else moved there.  With
+    `private` the moved array shares no buffer with `x` (it is about to be donated, and the
+    caller's array must stay valid: `jax.device_put` may reuse x's buffer for a shard on
+    x's own device)."""
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    if private and isinstance(x, jax.Array):
+        x = x.copy()
+    return jax.device_put(x, sharding)
+
+
+def run(segments: Sequence[Segment], env: dict[Any, Any]) -> None:
+    """Runs `segments` in order on the values of `env` (extended with their outputs)."""
+    for seg in segments:
+        args = [place(env[v], sh, private=j in seg.donate)
+                for j, (v, sh) in enumerate(zip(seg.inputs, seg.in_shardings))]
+        env.update(zip(seg.outputs, seg.fn(*args)))

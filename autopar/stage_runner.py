@@ -1,0 +1,337 @@
+"""One pipeline stage's compiled programs, emitted from its plan.
+
+A stage runs its layers one after another, each under the layer's own intra-op solution
+(`LayerPlan`: a sharding constraint on every value of the layer's forward+backward program,
+the program the planner priced).  Per micro-batch the stage has two programs:
+
+* forward: (stage inputs) → (float outputs, integer outputs, saved residuals);
+* backward: (saved residuals, output cotangents, gradient accumulators) → (cotangents of
+  the activations it received, updated accumulators).  The accumulators are donated; the
+  parameter gradients in them stay unreduced over the data-parallel axes (`grad_accum`).
+
+and per step two more: `zeros` (fresh accumulators) and `finalize` (accumulators → one
+gradient per parameter in the parameter's layout: the step's one reduction).
+
+Inputs are split in two lists: `static` (F inputs that do not change between
+micro-batches: parameters, RNG keys, ...), passed as one tuple built once per step, and
+`micro` (the batch slices and the activations of earlier stages).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from autopar.graph import Graph, is_float
+
+from .emit import Constraints, to_pspec
+from .grad_accum import Deferral, DeferredBackward, GradSum, as_grad_sum, stacked_spec
+from .layer import LayerProgram
+from .pipeline import StageProgram, program_for_range
+from .plan import LayerPlan, StagePlan
+
+Ref = tuple[int, Any]
+"""Where a residual comes from: (layer, fb value id) computed in the stage, or (-1, F id)
+for a stage input."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Layer:
+    program: LayerProgram
+    constraints: Constraints | None
+    deferred: DeferredBackward | None
+
+
+class StageError(ValueError):
+    """A stage plan that does not match the program the runtime traced."""
+
+
+class StageRunner:
+    """Compiled forward, backward, zeros and finalize of one stage on its mesh.
+
+    Args:
+      graph: F flattened.
+      plan: the stage's plan (mesh, input specs, per-layer solutions).
+      mesh: the stage's `Mesh`.
+      diff_values: F value ids that carry gradients.
+      params: F input ids of the differentiated parameters.
+      static_ids: F input ids that do not change between micro-batches.
+      ct_receivers: float outputs of the stage whose cotangents later stages send back.
+      loss_vid: F id of the loss (seeded with 1/num_micro_batches), if the stage makes it.
+      num_micro_batches: micro-batches per step.
+      remat: rematerialize every layer in the backward.
+      f_outputs: F's output value ids (loss and aux).
+    """
+
+    def __init__(self, graph: Graph, plan: StagePlan, mesh: Mesh, diff_values: set[int],
+                 params: set[int], static_ids: set[int], ct_receivers: Sequence[int],
+                 loss_vid: int | None, num_micro_batches: int, remat: bool,
+                 f_outputs: frozenset[int] = frozenset()):
+        self.graph, self.plan, self.mesh = graph, plan, mesh
+        self.program: StageProgram = program_for_range(graph, *plan.eqn_range)
+        specs = dict(plan.input_specs)
+        self.input_shardings = {v: NamedSharding(mesh, to_pspec(specs[v])) if v in specs
+                                else NamedSharding(mesh, PartitionSpec())
+                                for v in self.program.inputs}
+        self.static_ids = tuple(v for v in self.program.inputs if v in static_ids)
+        self.micro_ids = tuple(v for v in self.program.inputs if v not in static_ids)
+        values = graph.values
+        self.float_outs = tuple(v for v in self.program.outputs if is_float(values[v].dtype))
+        self.int_outs = tuple(v for v in self.program.outputs if not is_float(values[v].dtype))
+        self.ct_receivers = tuple(ct_receivers)
+        self.param_ids = tuple(v for v in self.program.inputs if v in params)
+        self.act_ct_ids = tuple(v for v in self.micro_ids
+                                if v in diff_values and is_float(values[v].dtype))
+        self.loss_vid = loss_vid if loss_vid in self.float_outs else None
+        self.scale = 1.0 / num_micro_batches
+        self.layers = self._layers(diff_values, remat)
+        self.refs = self._residual_refs()
+        self.saved_refs = tuple(r for r in self.refs if r[0] != -1)
+        # Micro-batch inputs the backward reads again (e.g. a rematerialized layer's input):
+        # the runtime still holds them, so they are passed again rather than saved (a jit
+        # returning its input would copy it).
+        micro = set(self.micro_ids)
+        self.kept_micro = tuple(r[1] for r in self.refs if r[0] == -1 and r[1] in micro)
+        self.kept_positions = tuple(self.micro_ids.index(v) for v in self.kept_micro)
+        # F's outputs (loss, aux) made here: averaged over the micro-batches in the
+        # accumulators too (integer ones keep the last micro-batch's value).
+        self.f_out_ids = tuple(v for v in self.program.outputs if v in f_outputs)
+        self._grad_parts = self._discover_grad_parts()
+        acc_sh = self.accumulator_shardings()
+        out_sh = [self.output_sharding(v) for v in self.f_out_ids]
+        self.forward = jax.jit(self._forward, out_shardings=(
+            [self.output_sharding(v) for v in self.float_outs],
+            [self.output_sharding(v) for v in self.int_outs], None))
+        self.backward = jax.jit(self._backward, donate_argnums=(4,),
+                                out_shardings=(None, (acc_sh, out_sh)))
+        self.zeros = jax.jit(self._zeros, out_shardings=(acc_sh, out_sh))
+        self.finalize = jax.jit(self._finalize, out_shardings=(
+            [self.input_shardings[v] for v in self.param_ids], out_sh))
+
+    # ---- construction -----------------------------------------------------------------------
+
+    def _layers(self, diff_values: set[int], remat: bool) -> list[_Layer]:
+        plans: Sequence[LayerPlan | None] = self.plan.layer_plans or [None]
+        out = []
+        for k, lp in enumerate(plans):
+            rng = lp.eqn_range if lp is not None else self.plan.eqn_range
+            prog = LayerProgram.build(self.graph, program_for_range(self.graph, *rng),
+                                      diff_values, remat=remat)
+            if lp is None:
+                out.append(_Layer(prog, None, None))
+                continue
+            if len(prog.fb.values) != lp.num_values:
+                raise StageError(
+                    f"stage layer {k} (equations {rng[0]}-{rng[1]}): the plan's solution is "
+                    f"for a forward+backward program of {lp.num_values} values, this program "
+                    f"has {len(prog.fb.values)} (a plan from another autopar or JAX version?"
+                    f" re-run the search)")
+            constraints = Constraints.build(prog.fb, self.mesh, lp.value_specs,
+                                            lp.operand_specs)
+            grads = [op for op, vid in zip(prog.fb.outvars[prog.num_outs:], prog.fn.diff_ids)
+                     if vid in self.param_ids]
+            deferral = Deferral.find(prog.fb, prog.backward_eqns, grads, dict(lp.value_specs),
+                                     {(e, j): s for e, j, s in lp.operand_specs})
+            out.append(_Layer(prog, constraints,
+                              DeferredBackward(prog.fb, deferral, self.mesh) if deferral
+                              else None))
+        return out
+
+    def _residual_refs(self) -> tuple[Ref, ...]:
+        """Every residual of every layer, named once: by its F id when it is a layer input
+        (a stage input, or an earlier layer's output), else by (layer, fb id)."""
+        refs: list[Ref] = []
+        stage_inputs = set(self.program.inputs)
+        for k, layer in enumerate(self.layers):
+            lp = layer.program
+            f_of = dict(zip(lp.fb.invars, list(lp.fn.diff_ids) + list(lp.fn.nondiff_ids)))
+            for vid in lp.residuals:
+                if vid in f_of:
+                    fid = f_of[vid]
+                    ref = (-1, fid) if fid in stage_inputs else (-2, fid)
+                else:
+                    ref = (k, vid)
+                if ref not in refs:
+                    refs.append(ref)
+        return tuple(refs)
+
+    def _discover_grad_parts(self) -> dict[int, dict[tuple[str, ...], jax.ShapeDtypeStruct]]:
+        """Per parameter, the parts its gradient sum has (traced once, abstractly)."""
+        if not self.param_ids:
+            return {}
+        static = [self._aval(v) for v in self.static_ids]
+        micro = [self._aval(v) for v in self.micro_ids]
+        _, _, saved = jax.eval_shape(self._forward, static, micro)
+        saved = saved[:len(saved) - len(self.f_out_ids)]
+        kept = [self._aval(v) for v in self.kept_micro]
+        cts = [self._aval(v) for v in self.ct_receivers]
+        found: dict[int, dict[tuple[str, ...], jax.ShapeDtypeStruct]] = {}
+
+        def probe(static, kept, saved, cts):
+            sums = self._backward_sums(static, kept, saved, cts)[1]
+            return {v: {",".join(k): x for k, x in s.parts.items()} for v, s in sums.items()}
+
+        shapes = jax.eval_shape(probe, static, kept, saved, cts)
+        for v, parts in shapes.items():
+            found[v] = {tuple(a for a in k.split(",") if a): x for k, x in parts.items()}
+        return found
+
+    def output_sharding(self, vid: int) -> NamedSharding:
+        """The layout the stage's forward gives its output `vid` (the producing layer's
+        planned spec; replicated when the plan has none)."""
+        for layer, lp in zip(self.layers, self.plan.layer_plans or [None] * len(self.layers)):
+            prog = layer.program
+            outs = dict(zip(list(prog.fn.float_outs) + list(prog.fn.int_outs), prog.fb.outvars))
+            if vid in outs and lp is not None:
+                spec = dict(lp.value_specs).get(outs[vid])
+                if spec is not None:
+                    return NamedSharding(self.mesh, to_pspec(spec))
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def _aval(self, vid: int) -> jax.ShapeDtypeStruct:
+        v = self.graph.values[vid]
+        return jax.ShapeDtypeStruct(v.shape, v.dtype)
+
+    def accumulator_shardings(self) -> list[dict[tuple[str, ...], NamedSharding]]:
+        out = []
+        specs = dict(self.plan.input_specs)
+        for v in self.param_ids:
+            spec = specs.get(v, ((),) * self.graph.values[v].ndim)
+            out.append({axes: NamedSharding(self.mesh, to_pspec(
+                stacked_spec(spec, axes) if axes else spec)) for axes in self._grad_parts[v]})
+        return out
+
+    # ---- the programs -----------------------------------------------------------------------
+
+    def _forward(self, static: Sequence[Any], micro: Sequence[Any]):
+        env = dict(zip(self.static_ids, static))
+        env.update(zip(self.micro_ids, micro))
+        computed: dict[tuple[int, int], Any] = {}
+        for k, layer in enumerate(self.layers):
+            lp = layer.program
+            c = layer.constraints
+            hooks = {} if c is None else dict(on_value=c.on_value, on_operand=c.on_operand)
+            floats, ints, residuals = lp.run_forward([env[v] for v in lp.fn.diff_ids],
+                                                     [env[v] for v in lp.fn.nondiff_ids],
+                                                     **hooks)
+            env.update(zip(lp.fn.float_outs, floats))
+            env.update(zip(lp.fn.int_outs, ints))
+            computed.update(((k, vid), x) for vid, x in zip(lp.residuals, residuals))
+        saved = [computed[r] if r[0] >= 0 else env[r[1]] for r in self.saved_refs]
+        saved += [env[v] for v in self.f_out_ids]
+        return [env[v] for v in self.float_outs], [env[v] for v in self.int_outs], saved
+
+    def _backward_sums(self, static: Sequence[Any], kept: Sequence[Any], saved: Sequence[Any],
+                       cts: Sequence[Any]) -> tuple[list[Any], dict[int, GradSum]]:
+        """(cotangents of the received activations, gradient sum per parameter)."""
+        by_ref = dict(zip(self.saved_refs, saved))
+        by_ref.update(((-1, v), x) for v, x in zip(self.static_ids, static))
+        by_ref.update(((-1, v), x) for v, x in zip(self.kept_micro, kept))
+        ct: dict[int, Any] = dict(zip(self.ct_receivers, cts))
+        if self.loss_vid is not None:
+            seed = jnp.asarray(self.scale, self.graph.values[self.loss_vid].dtype)
+            ct[self.loss_vid] = ct[self.loss_vid] + seed if self.loss_vid in ct else \
+                jnp.broadcast_to(seed, self.graph.values[self.loss_vid].shape)
+        for k in reversed(range(len(self.layers))):
+            layer = self.layers[k]
+            lp = layer.program
+            f_of = dict(zip(lp.fb.invars, list(lp.fn.diff_ids) + list(lp.fn.nondiff_ids)))
+            residuals = []
+            for vid in lp.residuals:
+                fid = f_of.get(vid)
+                if fid is None:
+                    residuals.append(by_ref[(k, vid)])
+                else:
+                    residuals.append(by_ref.get((-1, fid), by_ref.get((-2, fid))))
+            out_cts = [ct.pop(v) if v in ct else jnp.zeros(self.graph.values[v].shape,
+                                                           self.graph.values[v].dtype)
+                       for v in lp.fn.float_outs]
+            out_cts = [x.total() if isinstance(x, GradSum) else x for x in out_cts]
+            c = layer.constraints
+            hooks = {} if c is None else dict(on_value=_skip_sums(c.on_value),
+                                              on_operand=c.on_operand)
+            if layer.deferred is not None:
+                hooks["override"] = layer.deferred
+            in_cts = lp.run_backward(residuals, out_cts, **hooks)
+            for v, g in zip(lp.fn.diff_ids, in_cts):
+                if v in ct:
+                    ct[v] = as_grad_sum(ct[v]) + as_grad_sum(g)
+                else:
+                    ct[v] = g
+        act_cts = [ct[v].total() if isinstance(ct.get(v), GradSum) else ct.get(v)
+                   for v in self.act_ct_ids]
+        act_cts = [x if x is not None else jnp.zeros(self.graph.values[v].shape,
+                                                     self.graph.values[v].dtype)
+                   for x, v in zip(act_cts, self.act_ct_ids)]
+        grads = {v: as_grad_sum(ct[v]) if v in ct else GradSum(
+            {(): jnp.zeros(self.graph.values[v].shape, self.graph.values[v].dtype)})
+                 for v in self.param_ids}
+        return act_cts, grads
+
+    def _backward(self, static, kept, saved, cts, acc):
+        """One micro-batch's backward; `acc` = (gradient parts per parameter, running sums
+        of F's outputs) and `saved` ends with this micro-batch's F outputs."""
+        grad_acc, out_acc = acc
+        f_values = saved[len(saved) - len(self.f_out_ids):]
+        saved = saved[:len(saved) - len(self.f_out_ids)]
+        act_cts, grads = self._backward_sums(static, kept, saved, cts)
+        new_grads = []
+        for v, parts in zip(self.param_ids, grad_acc):
+            g = grads[v].parts
+            new_grads.append({axes: parts[axes] + g[axes] for axes in parts})
+        new_outs = [total + x if is_float(x.dtype) else x for total, x in zip(out_acc, f_values)]
+        return act_cts, (new_grads, new_outs)
+
+    def _zeros(self):
+        grads = [{axes: jnp.zeros(s.shape, s.dtype) for axes, s in self._grad_parts[v].items()}
+                 for v in self.param_ids]
+        return grads, [jnp.zeros(self.graph.values[v].shape, self.graph.values[v].dtype)
+                       for v in self.f_out_ids]
+
+    def _finalize(self, acc):
+        """(each parameter's gradient, reduced once; the mean of each float F output over
+        the micro-batches, the last micro-batch's integer ones)."""
+        grad_acc, out_acc = acc
+        return ([GradSum(parts).total() for parts in grad_acc],
+                [x * jnp.asarray(self.scale, x.dtype) if is_float(x.dtype) else x
+                 for x in out_acc])
+
+    # ---- lowering ---------------------------------------------------------------------------
+
+    def lower_all(self) -> dict[str, Any]:
+        """JAX `Lowered` of each program for one micro-batch (forward, backward) and one step
+        (zeros, finalize)."""
+        shard = lambda v: jax.ShapeDtypeStruct(self.graph.values[v].shape,
+                                               self.graph.values[v].dtype,
+                                               sharding=self.input_shardings[v])
+        static = [shard(v) for v in self.static_ids]
+        micro = [shard(v) for v in self.micro_ids]
+        fwd = self.forward.lower(static, micro)
+        floats, _, saved = jax.eval_shape(self._forward, static, micro)
+        fwd_sh = fwd.compile().output_shardings
+        out_sh = dict(zip(self.float_outs, fwd_sh[0]))
+        cts = [jax.ShapeDtypeStruct(self.graph.values[v].shape, self.graph.values[v].dtype,
+                                    sharding=out_sh[v]) for v in self.ct_receivers]
+        saved_sh = fwd_sh[2]
+        saved = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
+                 for s, sh in zip(saved, saved_sh)]
+        acc = ([{axes: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh[axes])
+                 for axes, s in self._grad_parts[v].items()}
+                for v, sh in zip(self.param_ids, self.accumulator_shardings())],
+               [jax.ShapeDtypeStruct(self.graph.values[v].shape, self.graph.values[v].dtype,
+                                     sharding=self.output_sharding(v)) for v in self.f_out_ids])
+        kept = [micro[k] for k in self.kept_positions]
+        return {"forward": fwd, "backward": self.backward.lower(static, kept, saved, cts, acc),
+                "zeros": self.zeros.lower(), "finalize": self.finalize.lower(acc)}
+
+
+def _skip_sums(hook):
+    """A value hook that leaves `GradSum`s alone (their parts carry their own layouts)."""
+    def on_value(vid, x):
+        return x if isinstance(x, GradSum) else hook(vid, x)
+    return on_value

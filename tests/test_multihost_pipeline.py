@@ -1,0 +1,51 @@
+"""PipeshardParallel across processes (autopar launch, CPU devices): stages on sub-meshes
+aligned with the processes, every process running the driver loop, equal to the
+single-device `jax.jit` step that averages over the same micro-batches (3 AdamW steps).
+
+Each process passes every argument as a global array over all devices (the state
+replicated, the batch split by rows: tests/multihost_scripts/train.py `shardings`).
+Tolerances: tests/multihost.py TOL (AdamW, eps 1e-4: rtol 1e-3 / atol 1e-4).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from multihost import (
+    SCRIPTS,
+    assert_equals_reference,
+    assert_one_plan_across,
+    ranks_json,
+    run_processes,
+)
+
+pytestmark = pytest.mark.skip(
+    reason="pipeline runtime across processes (autopar/runtime.py) is the lead's work in "
+           "progress: today the first step fails in the runtime ('CopyArrays only supports "
+           "destination device list of the same size'); enable these tests with it")
+
+MICRO = 4
+TIME_LIMIT = "2"  # per ILP, seconds
+
+
+def _run(tmp_path, name: str, processes: int, devices: int, stages: int) -> list[dict]:
+    run_processes(SCRIPTS / "train.py", name, tmp_path, "--methods", "pipeshard",
+                  "--micro-batches", MICRO, "--stages", stages, "--time-limit", TIME_LIMIT,
+                  processes=processes, devices_per_process=devices, timeout_s=480)
+    infos = ranks_json(tmp_path, processes)
+    assert_one_plan_across(infos, processes, devices)
+    assert len(infos[0]["stage_processes"]) == stages
+    return infos
+
+
+@pytest.mark.parametrize("name", ["gpt", "convbn"])
+def test_two_stages_one_per_process(name, tmp_path):
+    infos = _run(tmp_path, name, processes=2, devices=4, stages=2)
+    assert infos[0]["stage_processes"] == [[0], [1]]
+    assert_equals_reference(name, tmp_path, micro=MICRO)
+
+
+def test_four_stages_over_four_processes(tmp_path):
+    infos = _run(tmp_path, "gpt", processes=4, devices=2, stages=4)
+    assert infos[0]["stage_processes"] == [[0], [1], [2], [3]]
+    assert_equals_reference("gpt", tmp_path, micro=MICRO)

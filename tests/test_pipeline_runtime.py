@@ -1,0 +1,146 @@
+"""The pipeline runtime runs the plan it priced, read off the compiled programs of one step.
+
+Every program a pipelined step runs (per stage: forward and backward per micro-batch, the
+accumulator reset and the gradient reduction per step; the apply-grad segments) is
+compiled and audited (`cost_model.hlo_audit`); collective bytes are summed over the calls of
+one step.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import autopar
+from autopar.cost_model import hlo_audit
+
+from helpers import assert_same_micro_batched_run, cheap_comm_cluster
+from models import make_case
+
+TOL = dict(rtol=2e-4, atol=2e-5)
+FAST = dict(time_limit_s=5.0)
+
+
+def _step_audit(step, args) -> dict[str, dict[str, float]]:
+    """Collective bytes per program kind, summed over one step's calls, and each program."""
+    plan = step.get_plan(*args)
+    compiled = step.lower(*args).compile()
+    per_kind: dict[str, dict[str, float]] = {}
+    for name, stage, prog, calls in compiled.programs():
+        st = plan.stages[stage]
+        audit = hlo_audit.audit(prog, st.mesh_shape, st.mesh_axes)
+        slot = per_kind.setdefault(name, {})
+        for kind, nbytes in audit.bytes_by_kind().items():
+            slot[kind] = slot.get(kind, 0.0) + nbytes * calls
+    return per_kind
+
+
+def _param_bytes(state) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state["params"]))
+
+
+def test_data_parallel_stages_reduce_gradients_once_per_step():
+    # Two stages, each a 4-way data-parallel mesh: the backward of every micro-batch keeps
+    # its gradients unreduced (no collective at all), and the step reduces each gradient
+    # exactly once — the bytes of one all-reduce of all the parameters, not 4x that.
+    case = make_case("mlp", "sgd")
+    state, batch = case.init()
+    step = autopar.parallelize(case.step, method=autopar.Manual3DParallel(
+        dp=4, tp=1, pp=2, num_micro_batches=4, **FAST), donate_argnums=())
+    audit = _step_audit(step, (state, batch))
+    # The forward only reduces the loss (a float32 scalar per micro-batch).
+    assert audit["forward"] == {"all-reduce": 4 * 4} and not audit["backward"], audit
+    assert audit["finalize"] == {"all-reduce": _param_bytes(state)}, audit
+    assert_same_micro_batched_run(case, step, 4, **TOL)
+
+
+def test_stage_programs_take_the_planned_layouts():
+    # Each stage's forward returns its activations in the layouts its layer solutions
+    # chose (the plan is emitted, not left to XLA), on a plan that splits almost
+    # everything (cheap communication).
+    case = make_case("gpt", "sgd")
+    args = case.init()
+    step = autopar.parallelize(case.step, method=autopar.PipeshardParallel(
+        num_micro_batches=4, num_stages=2, **FAST), cluster=cheap_comm_cluster())
+    traced = step.trace(*args)
+    runtime = traced.executable
+    compiled = step.lower(*args).compile()
+    checked = 0
+    for st, runner, comp in zip(traced.plan.stages, runtime.stages, compiled.stages):
+        assert st.layer_plans, "searched plans record every layer's solution"
+        last = runner.layers[-1].program
+        specs = dict(st.layer_plans[-1].value_specs)
+        outs = dict(zip(last.fn.float_outs, last.fb.outvars))
+        for vid, sharding in zip(runner.float_outs, comp.forward.output_shardings[0]):
+            if vid in outs and outs[vid] in specs:
+                want = autopar.emit.to_pspec(specs[outs[vid]])
+                assert sharding.is_equivalent_to(
+                    jax.sharding.NamedSharding(runner.mesh, want), len(want)), (vid, sharding)
+                checked += 1
+    assert checked
+    assert_same_micro_batched_run(case, step, 4, **TOL)
+
+
+def test_state_keeps_its_layout_and_is_donated():
+    case = make_case("gpt", "adamw")
+    state, batch = case.init()
+    step = autopar.parallelize(case.step, method=autopar.PipeshardParallel(
+        num_micro_batches=2, num_stages=2, **FAST), cluster=cheap_comm_cluster())
+    s1, _ = step(state, batch)
+    s2, _ = step(s1, case.batch_for_step(1))
+    # The state the step returns is laid out as the step takes it (the next call moves
+    # nothing), and it is donated by default: the input buffers are updated in place.
+    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
+        assert b.sharding == a.sharding
+    params_and_moments = jax.tree.leaves((s1["params"], s1["opt_state"][1][0].mu))
+    assert all(x.is_deleted() for x in params_and_moments)
+    leaves = jax.tree.leaves(s2)
+    assert any(len(x.sharding.device_set) < len(jax.devices()) for x in leaves), \
+        "parameters and optimizer state live on their stage's devices"
+    # Adam's moments take their parameter's layout.
+    params = jax.tree.leaves(s2["params"])
+    mu = jax.tree.leaves(s2["opt_state"][1][0].mu)
+    for p, m in zip(params, mu):
+        assert m.sharding == p.sharding
+
+
+def test_donation_opt_out():
+    case = make_case("mlp", "sgd")
+    state, batch = case.init()
+    step = autopar.parallelize(case.step, method=autopar.PipeshardParallel(
+        num_micro_batches=2, num_stages=2, **FAST), donate_argnums=())
+    step(state, batch)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+
+
+def test_transfers_are_priced_and_non_differentiable_values_get_no_cotangent():
+    case = make_case("gpt", "sgd")
+    args = case.init()
+    step = autopar.parallelize(case.step, method=autopar.PipeshardParallel(
+        num_micro_batches=4, num_stages=2, **FAST))
+    traced = step.trace(*args)
+    plan = traced.plan
+    assert plan.stages[0].transfer_s == 0.0 and plan.stages[1].transfer_s > 0.0
+    runtime = traced.executable
+    second = runtime.stages[1]
+    graph = runtime.graph
+    floats = [v for v in second.micro_ids if v not in runtime.batch_vids
+              and np.issubdtype(graph.values[v].dtype, np.floating)]
+    # The causal mask (computed from iota, not from the parameters) crosses the boundary
+    # but gets no cotangent back.
+    assert set(second.act_ct_ids) < set(floats), (second.act_ct_ids, floats)
+
+
+@pytest.mark.parametrize("name,stages,schedule,optimizer", [
+    ("gpt", 1, "1f1b", "adamw"),
+    ("scan", 2, "1f1b", "sgd"),
+    ("remat_dropout", 2, "gpipe", "adamw"),
+])
+def test_pipeline_equivalence_more_models(name, stages, schedule, optimizer):
+    case = make_case(name, optimizer)
+    step = autopar.parallelize(case.step, method=autopar.PipeshardParallel(
+        num_micro_batches=4, num_stages=stages, schedule=schedule, **FAST),
+        cluster=cheap_comm_cluster())
+    tol = TOL if optimizer == "sgd" else dict(rtol=1e-3, atol=1e-4)
+    assert_same_micro_batched_run(case, step, 4, **tol)

@@ -1,0 +1,149 @@
+"""The search's speed-ups keep its answers: problems solved in worker processes equal the
+in-process solve, a mirror logical mesh is recognised (same links, swapped forced specs)
+and takes its twin's cost, and `num_micro_batches="auto"` picks a count no slower than the
+two the benchmark suite tries by hand (the best hand-written plan's count and 4x it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autopar
+from autopar import micro_batches, models, plan_cache
+from autopar.passes.sharding_spec import MeshContext
+from autopar.passes.solver import InfeasibleError, ShardingProblem, solve
+from autopar.planner import is_mirror
+from autopar.solve_pool import SolvePool
+
+
+def random_problem(seed: int, nodes: int = 12, limit: float | None = None) -> ShardingProblem:
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 5, nodes)
+    edges = np.array([(v - 1 - int(rng.integers(min(v, 3))), v) for v in range(1, nodes)])
+    return ShardingProblem(
+        node_costs=tuple(rng.random(s) for s in sizes),
+        node_usages=tuple(rng.random(s) * 10 for s in sizes),
+        intervals=np.array([(v, v + 3) for v in range(nodes)]),
+        edges=edges, edge_costs=tuple(rng.random((sizes[u], sizes[v])) for u, v in edges),
+        usage_limit=limit, node_names=tuple(f"n{v}" for v in range(nodes)), name=f"r{seed}")
+
+
+def test_pool_answers_equal_the_in_process_solve():
+    problems = [random_problem(seed) for seed in range(4)]
+    with SolvePool(workers=2) as pool:
+        futures = [pool.submit(p, time_limit_s=10.0, backend="auto") for p in problems]
+        answers = [f.result(timeout=120) for f in futures]
+    assert pool.solved_in_workers == len(problems)
+    for p, a in zip(problems, answers):
+        ref = solve(p, time_limit_s=10.0)
+        assert a.status == ref.status == "optimal"
+        assert a.cost == pytest.approx(ref.cost, rel=1e-12)
+        assert a.stats["worker"] is True and len(a.strategies) == p.num_nodes
+
+
+def test_pool_raises_the_solvers_infeasible_error():
+    with SolvePool(workers=1) as pool:
+        fut = pool.submit(random_problem(0, limit=1e-3), time_limit_s=5.0, backend="auto")
+        with pytest.raises(InfeasibleError, match="usage limit"):
+            fut.result(timeout=60)
+
+
+def test_pool_without_workers_solves_inline():
+    pool = SolvePool(workers=0)
+    fut = pool.submit(random_problem(1), time_limit_s=5.0, backend="auto")
+    assert fut.done() and fut.result().status == "optimal"
+    pool.close()
+
+
+def test_mirror_meshes():
+    one_host = autopar.ClusterSpec.preset("8xA100-80GB")
+    a, b = MeshContext.build((2, 4), one_host), MeshContext.build((4, 2), one_host)
+    both = {0: (("x", "y"), ())}
+    assert is_mirror(b, both, a, both)
+    assert is_mirror(b, {0: (("y",), ())}, a, {0: (("x",), ())})
+    assert not is_mirror(b, {0: (("x",), ())}, a, {0: (("x",), ())})  # 4-way vs 2-way
+    two_hosts = autopar.ClusterSpec.preset("2x8xA100-80GB")
+    c, d = MeshContext.build((2, 8), two_hosts), MeshContext.build((8, 2), two_hosts)
+    assert not is_mirror(d, {}, c, {})  # the host axis has the slow link
+    assert not is_mirror(a, {}, a, {})
+
+
+def _mlp_step():
+    def loss_fn(params, batch):
+        return jnp.mean((jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"] - batch["y"]) ** 2)
+
+    def step(params, batch):
+        loss, grads = autopar.value_and_grad(loss_fn)(params, batch)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    s = jax.ShapeDtypeStruct
+    return step, ({"w1": s((16, 32), jnp.float32), "w2": s((32, 8), jnp.float32)},
+                  {"x": s((16, 16), jnp.float32), "y": s((16, 8), jnp.float32)})
+
+
+def test_shard_search_solves_a_mirror_mesh_once():
+    step, args = _mlp_step()
+    plan = autopar.plan(step, *args, cluster="cpu-local",
+                        method=autopar.ShardParallel(time_limit_s=5.0))
+    costs = dict(plan.candidates)
+    assert set(costs) == {(8,), (2, 4), (4, 2)}
+    assert costs[(2, 4)] == costs[(4, 2)]
+    assert plan.solver["mirror_meshes"] == {"(4, 2)": "(2, 4)"}
+    assert plan.predicted.step_s == min(costs.values())
+
+
+def test_ladder_and_explore():
+    assert micro_batches.ladder(1024) == [2 ** k for k in range(11)]
+    assert micro_batches.ladder(12) == [1, 2, 4, 12]
+    assert micro_batches.ladder(1536)[-3:] == [256, 512, 1536]
+    counts = [2 ** k for k in range(11)]
+    seen = []
+
+    def valley(b):  # fits from 4 on, fastest at 64
+        seen.append(b)
+        return None if b < 4 else abs(np.log2(b) - 6) + 1
+
+    assert counts[micro_batches.explore(counts, valley)] == 64
+    assert len(seen) == len(set(seen)) < len(counts)
+    assert micro_batches.explore(counts, lambda b: None) is None
+    short = [1, 2, 4, 8]
+    order = []
+    best = micro_batches.explore(short, lambda b: order.append(b) or (None if b == 2 else 1.0 / b
+                                                                      if b > 2 else 0.1))
+    assert short[best] == 8 and order == [8, 4, 2]  # 1 skipped: 2 did not fit
+
+
+def test_auto_is_no_slower_than_the_suites_two_counts(tmp_path, monkeypatch):
+    monkeypatch.setenv(plan_cache.ENV_VAR, str(tmp_path))  # explicit counts reuse the tries
+    step, args = models.train_step_and_args("gpt-toy", 8)
+    cluster = autopar.ClusterSpec.preset("cpu-local").with_devices(1, 4)
+    auto = autopar.plan(step, *args, cluster=cluster,
+                        method=autopar.PipeshardParallel(num_micro_batches="auto"))
+    tries = auto.solver["micro_batch_tries"]
+    assert [t["num_micro_batches"] for t in tries] == [8, 4, 2, 1]
+    assert auto.num_micro_batches in (1, 2, 4, 8)
+    assert auto.predicted.step_s == min(t["step_s"] for t in tries)
+    for first in (1, 2):  # the suite: the best hand-written plan's count B and 4 x B
+        for count in (first, 4 * first):
+            fixed = autopar.plan(step, *args, cluster=cluster,
+                                 method=autopar.PipeshardParallel(num_micro_batches=count))
+            assert fixed.solver["plan_cache"]["hit"] is True
+            assert auto.predicted.step_s <= fixed.predicted.step_s
+    assert "micro-batches tried" in auto.summary()
+    again = autopar.plan(step, *args, cluster=cluster,
+                         method=autopar.PipeshardParallel(num_micro_batches="auto"))
+    assert dataclasses.replace(again, solver={}) == dataclasses.replace(auto, solver={})
+    assert all(t.get("cached") for t in again.solver["micro_batch_tries"])
+
+
+def test_auto_is_validated():
+    assert autopar.PipeshardParallel(num_micro_batches="auto").num_micro_batches == "auto"
+    with pytest.raises(ValueError, match='positive int or "auto"'):
+        autopar.PipeshardParallel(num_micro_batches="many")
+    with pytest.raises(ValueError, match="positive int"):
+        autopar.ShardParallel(num_micro_batches="auto")
