@@ -84,7 +84,9 @@ def test_memory_budget_shards_optimizer_state():
     _, plan, compiled, _, _ = _plan_and_compiled(
         case, autopar.ShardParallel(mesh_shape=(8,), memory_budget_bytes=budget))
     opt = _input_spec(plan, "['opt_state']")
-    big = {n: s for n, s in opt.items() if "kernel" in n}
+    # The 1024x1024 hidden kernels' moments (4 MiB each); the 1024x8 output kernel's
+    # (32 KiB) may stay replicated.
+    big = {n: s for n, s in opt.items() if "kernel" in n and "Dense_2" not in n}
     assert big and all(any(spec) for spec in big.values()), plan.summary()
     assert plan.predicted.memory_bytes <= budget
     assert per_device_bytes(compiled) <= budget, (per_device_bytes(compiled), budget)
