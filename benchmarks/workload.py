@@ -109,7 +109,7 @@ def _build(model: str, global_batch: int, num_micro_batches: int) -> Workload:
                       for x in jax.tree_util.tree_leaves(state["params"]))
     opt_bytes = sum(math.prod(x.shape) * x.dtype.itemsize
                     for x in jax.tree_util.tree_leaves(state["opt_state"]))
+    diff = frozenset(diff_values(split, graph))
     return Workload(model, global_batch, num_micro_batches, split, graph,
-                    frozenset(diff_values(split, graph)), layers,
-                    tuple(_program_key(graph, p) for p in layers), names,
+                    diff, layers, tuple(_program_key(graph, p, set(diff)) for p in layers), names,
                     frozenset(batch_ids), params, opt_bytes / param_bytes)
