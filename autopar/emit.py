@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from autopar.graph import Graph, is_numeric
-from autopar.passes.sharding_spec import Spec
+from autopar.passes.sharding_spec import Spec, full_rematerialization, gather_first
 
 from .plan import Plan
 
@@ -42,17 +42,35 @@ class Constraints:
 
     values: dict[int, NamedSharding]
     operands: dict[tuple[int, int], NamedSharding]
+    # (equation, operand) → the gathered layout its reshard goes through first.
+    via: dict[tuple[int, int], NamedSharding] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def build(graph: Graph, mesh: Mesh, value_specs: Iterable[tuple[int, Spec]],
-              operand_specs: Iterable[tuple[int, int, Spec]]) -> Constraints:
+              operand_specs: Iterable[tuple[int, int, Spec]],
+              input_specs: Iterable[tuple[int, Spec]] = ()) -> Constraints:
+        """`input_specs`: (value, spec) of the program's inputs, the sources of reshards
+        that `value_specs` does not name."""
+        value_specs = list(value_specs)
+        operand_specs = list(operand_specs)
         values = {vid: NamedSharding(mesh, to_pspec(spec)) for vid, spec in value_specs
                   if is_numeric(graph.values[vid].dtype)}
         # Operands that a matmul/conv/gather/scatter reads in another layout are pinned too:
         # XLA then reshards exactly as the plan priced (and on CPU, jax 0.10.2, leaving the
         # choice to the partitioner gave wrong attention logits for one such reshard).
         operands = {(e, k): NamedSharding(mesh, to_pspec(spec)) for e, k, spec in operand_specs}
-        return Constraints(values, operands)
+        # A move of a split between dims with several mesh axes involved goes through the
+        # gathered layout first: XLA's partitioner would replicate the whole value instead
+        # ("involuntary full rematerialization").
+        own = dict(input_specs)
+        own.update(value_specs)
+        via = {}
+        for e, k, spec in operand_specs:
+            op = graph.eqns[e].inputs[k]
+            src = own.get(op) if isinstance(op, int) else None
+            if src is not None and full_rematerialization(src, spec):
+                via[(e, k)] = NamedSharding(mesh, to_pspec(gather_first(src, spec)))
+        return Constraints(values, operands, via)
 
     def on_value(self, vid: int, x: Any) -> Any:
         sharding = self.values.get(vid)
@@ -64,12 +82,16 @@ class Constraints:
         sharding = self.operands.get((eqn, k))
         if sharding is None:
             return x
+        gathered = self.via.get((eqn, k))
+        if gathered is not None:
+            x = jax.lax.with_sharding_constraint(x, gathered)
         return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def emit(graph: Graph, plan: Plan, mesh: Mesh, donate_argnums: Sequence[int] = ()):
     """Returns a jitted function of the flattened inputs that runs `graph` under `plan`."""
-    hooks = Constraints.build(graph, mesh, plan.value_specs, plan.operand_specs)
+    hooks = Constraints.build(graph, mesh, plan.value_specs, plan.operand_specs,
+                              input_specs=zip(graph.invars, plan.in_specs))
 
     def program(*flat_args):
         return tuple(graph.evaluate(flat_args, hooks.on_value, hooks.on_operand))

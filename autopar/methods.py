@@ -40,7 +40,13 @@ class Method(Protocol):
         program on one mesh (a `MeshMethod`).
       num_micro_batches: gradient-accumulation steps per step (the batch is split on dim 0);
         "auto" (PipeshardParallel only): the search tries counts and keeps the fastest.
-      memory_budget_bytes: peak bytes per device the plan must fit (None: device memory).
+      memory_budget_bytes: the most bytes one device may hold at the peak of the compiled
+        step (None: the cluster's device memory): what the compiled program's
+        ``memory_analysis()`` reports, argument + output - alias + temp, with the step's
+        donation (donated inputs' buffers reused by the outputs they alias); for pipelined
+        plans, per stage device.  The planner meets it with its memory model of the compiled
+        program (`autopar.passes.memory`), re-solving under tighter caps until the
+        estimate fits, and raises `MemoryBudgetError` (budget and smallest need) if none does.
       solver: sharding-solver backend (`autopar.passes.solver.BACKENDS`).
       time_limit_s: solver wall-clock limit per ILP, seconds.
     """
@@ -155,7 +161,9 @@ class ShardParallel:
     Attributes:
       mesh_shape: logical mesh, e.g. (2, 4); None tries (n,) and every 2-D factorization
         of the device count and keeps the cheapest.
-      memory_budget_bytes: peak bytes per device the plan must fit (None: device memory).
+      memory_budget_bytes: per-device peak of the compiled step the plan must fit, bytes
+        (``memory_analysis()``: argument + output - alias + temp, with donation; see
+        `Method`); None: the device memory.
       solver: sharding-solver backend, one of `autopar.passes.solver.BACKENDS`; "auto"
         picks the best installed one.
       time_limit_s: solver wall-clock limit per mesh shape, seconds.

@@ -41,7 +41,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.cost_model import ClusterSpec, Link, hlo_audit  # noqa: E402
+from autopar.cost_model import ClusterSpec, Link, compile_log, hlo_audit  # noqa: E402
 from autopar.passes import intra_op, strategies  # noqa: E402
 from autopar.passes.sharding_spec import MeshContext  # noqa: E402
 from benchmarks.baselines import MegatronTP, input_names  # noqa: E402
@@ -97,8 +97,8 @@ def plan_and_compile(case: models.Case, method, cluster, state, batch):
     t0 = time.perf_counter()
     plan = step.get_plan(state, batch)
     search_s = time.perf_counter() - t0
-    compiled = step.lower(state, batch).compile()
-    return step, plan, compiled, search_s
+    compiled, log = compile_log.compile_logged(step.lower(state, batch))
+    return step, plan, compiled, search_s, log
 
 
 def replay_prices(step, method, plan, state, batch, clusters: list[ClusterSpec]):
@@ -171,13 +171,14 @@ def audit_part(cases, quick: bool) -> list[dict]:
         state, batch = case.init()
         names = input_names(state, batch)
         for label, method in methods(names, quick):
-            step, plan, compiled, search_s = plan_and_compile(case, method, plan_cluster,
-                                                              state, batch)
+            step, plan, compiled, search_s, log = plan_and_compile(
+                case, method, plan_cluster, state, batch)
             whatif = memory_what_if(step.trace(state, batch).program, plan,
                                     MeshContext.build(plan.mesh_shape, plan_cluster))
             own, vol = replay_prices(step, method, plan, state, batch,
                                      [plan_cluster, bytes_cluster])
-            audit = hlo_audit.audit(compiled, plan.mesh_shape, plan.mesh_axes)
+            audit = hlo_audit.audit(compiled, plan.mesh_shape, plan.mesh_axes,
+                                    compile_log=log)
             priced = audit.price(plan_cluster)
             audit_vol = audit.price(bytes_cluster)["communication_s"]
             row = {
@@ -193,6 +194,7 @@ def audit_part(cases, quick: bool) -> list[dict]:
                 "memory_what_if": whatif,
                 "audit_memory": dataclasses.asdict(audit.memory),
                 "audit_memory_bytes": audit.memory.total_bytes,
+                "involuntary_rematerializations": audit.involuntary_rematerializations,
                 "audit_step_s": priced["total_s"], "audit_compute_s": priced["compute_s"],
                 "audit_comm_s": priced["communication_s"],
                 "audit_flops_per_device": audit.flops,
@@ -231,7 +233,7 @@ def measured_part(cases, quick: bool, steps: int) -> list[dict]:
         state0, batch = case.init()
         names = input_names(state0, batch)
         for label, method in methods(names, quick):
-            step, plan, compiled, _ = plan_and_compile(case, method, cluster, state0, batch)
+            step, plan, compiled, _, _ = plan_and_compile(case, method, cluster, state0, batch)
             audit = hlo_audit.audit(compiled, plan.mesh_shape, plan.mesh_axes)
             state = jax.tree.map(lambda x: x.copy(), state0)  # donated below
             for _ in range(2):  # warm-up (compile, first transfers)
@@ -313,6 +315,8 @@ def summarize(audit_rows, measured_rows) -> dict:
             k: int(sum(abs(r["memory_what_if"][k] / r["audit_memory_bytes"] - 1) <= 0.10
                        for r in audit_rows)) for k in ("per_value", "aliased", "aliased_fused")},
         "time_within_25pct": within("time_ratio", 0.25),
+        "involuntary_rematerializations": int(sum(r["involuntary_rematerializations"]
+                                                  for r in audit_rows)),
         "ranking_predicted_vs_audited": ranking(audit_rows, "pred_step_s", "audit_step_s"),
         "ranking_predicted_vs_measured": ranking(measured_rows, "pred_step_s", "measured_s")
         if measured_rows else [],
@@ -391,6 +395,8 @@ def tables(audit_rows, measured_rows, summary) -> list[str]:
               f"{s['bytes_within_15pct']['cases']}",
               f"- {PLAN_CLUSTER} step time within ±25% of the audit: "
               f"{s['time_within_25pct']['within']}/{s['time_within_25pct']['cases']}",
+              "- XLA's involuntary full rematerializations (reshards done by replicating the "
+              f"whole tensor), all plans: {s['involuntary_rematerializations']}",
               f"- the replayed layout (intra_op.price_specs on {PLAN_CLUSTER}) reproduces the "
               f"plan's objective within {s['replay_max_rel_diff']:.1%}"]
     return lines
@@ -459,81 +465,40 @@ def plot(audit_rows, measured_rows, path: pathlib.Path) -> None:
 
 # Written from the full run's figures (benchmarks/results/cost_model_accuracy.json).
 ANALYSIS = """
-## Why prediction and audit disagree, and what would close it
+## Why prediction and audit disagree (run of 2026-11-23, memory model of passes/memory.py)
 
-The checks on the method itself: re-pricing a plan's own layout on its own cluster
-(`passes/intra_op.price_specs`) reproduces the search's objective (last summary line), so
-the figures above compare the plan that was emitted, not a re-searched one.  Volumes are
-per-device α-β byte terms on both sides (2(n−1)/n·S for an all-reduce, (n−1)/n·S for a
-gather), so a ratio of 1.00 means the same collectives moved the same bytes.
+Re-pricing a plan's own layout on its own cluster (`passes/intra_op.price_specs`)
+reproduces the search's objective (last summary line), so the figures compare the plan that
+was emitted.  Volumes are per-device α-β byte terms on both sides.
 
-1. **Memory is over-predicted on every plan (ratios 1.13–2.04; 0/16 within ±10%).**
-   The audited total is mostly `temp` (argument = output = alias: the donated state is
-   updated in place).  The what-if columns re-count the plan's own layout per value:
-   * *aliasing of tied outputs is not the cause*: letting each new parameter / optimizer
-     state share its input's buffer leaves the peak unchanged in all 16 rows (the peak is
-     in the backward pass, before the update);
-   * *fusion is*: the pass counts every elementwise intermediate (clip-by-global-norm
-     scaling, momentum, GELU / LayerNorm backward terms) as a buffer, XLA's loop fusion
-     writes few of them.  Dropping every elementwise value whose consumers are all
-     elementwise brings the estimate to 0.54–0.99 of the audit — an over-correction
-     (XLA does materialize some), so the truth lies between the two rules;
-   * the per-value re-count and the pass's own figure differ by up to 1.5× either way
-     (the pass charges a merged group its largest co-live member set over the whole
-     interval spanning its members, and does not count fixed values).
-   **Change** (not made): in `intra_op` memory accounting, count an elementwise /
-   broadcast / reshape output as fused (0 bytes) when it has a single consumer that is
-   itself elementwise, and give each group member its own liveness row instead of one
-   group-wide interval; calibrate the rule against the "+ elementwise fused" column of
-   this report.
-2. **Two-axis collectives are over-priced (tp 2×4: 1.43 / 1.28; auto 2×4: 1.18).**
-   `MeshContext.all_reduce_s(nbytes, ("x", "y"))` sums one full-size all-reduce per axis
-   (2·½·S + 2·¾·S = 2.5·S on 2×4); XLA emits a single all-reduce over the 8-device group
-   (2·⅞·S = 1.75·S): 2.5 / 1.75 = 1.43 exactly, and the same plans on 1×8 / 8×1 agree
-   within 2%.  **Change**: price a collective over several axes as one collective over
-   the product group, n = Π sizes, on the slowest link of those axes (what the audit
-   prices), for all-reduce, all-gather and reduce-scatter.  This is also what makes
-   2×4 plans look worse than 1×8 in the ranking.
-3. **Resharding is charged per consumer edge, XLA does it once per value (auto 1×8 /
-   8×1 MLP: 1.36).**  In the auto MLP plan the batch-split input x is needed replicated
-   by the forward matmul and by the weight-gradient matmul; the model prices two
-   all-gathers of x (2 × ⅞ × 512 KiB), the compiled program has one (CSE).  The excess,
-   0.47 MiB, is the whole gap.  **Change**: charge a resharding once per (value, target
-   spec) — e.g. an auxiliary 0/1 variable per (value, spec) that every consumer edge
-   needing that spec activates, carrying the reshard cost, instead of the cost on each
-   edge matrix.
-4. **ZeRO-3 GPT volume under-predicted (0.75).** The audit shows 3.3 MiB of all-reduce
-   operands against 1.65 MiB of gradients, plus all-to-alls where the plan moves a
-   split between dims.  On CPU XLA emits all-reduce + dynamic-slice where GPU emits a
-   reduce-scatter (JAX-NOTES): that doubles the bandwidth term of every gradient
-   reduce-scatter (≈1.45 MiB of the 2.3 MiB gap); the rest is not yet attributed.  No
-   change to the GPU cost model is warranted for the CPU lowering; the audit could
-   recognise all-reduce → dynamic-slice pairs and price them as reduce-scatter when the
-   target is a GPU cluster.
-5. **Gather / scatter with batch-split indices (GPT dp, quick run: 0.39).**  The plan
-   all-gathers the small index tensor (tokens, labels) and gathers locally; Shardy
-   instead gathers / scatter-adds on the split indices and all-gathers the (much
-   larger) result.  In the full-size run this is hidden by the larger gradient
-   all-reduce (0.95) but it is a wrong strategy, exactly the "partitioner's actual
-   choice" of the issue.  **Change**: either price that strategy as Shardy builds it
-   (all-gather of the output) or make the emitter pin the operand: insert a sharding
-   constraint on an operand whose consumer requires a different spec than its producer
-   gives (emit currently constrains equation outputs only).
-6. **Step time on 8xA100-80GB (ranking).** Communication seconds agree where volumes
-   do; compute is over-predicted ~1.5–2× because the per-op roofline charges every
-   elementwise op its own memory traffic while `cost_analysis()` sees the fused program
-   (same fusion rule as in 1: no memory traffic for fused intermediates).  With cause 2
-   (2×4 plans over-priced) and 3 (auto plans' extra gathers) this breaks the ranking:
-   dp is the audited best for both models but is predicted 3rd (GPT) and 7th (MLP),
-   where dp's predicted compute is 2.0× (MLP) and 1.9× (GPT) its audited compute.
-   Fixes 1, 2 and 3 act on exactly the plans whose order is wrong.
-7. **cpu-local: predictions are 0.37–1.20× the measured median** (mostly 0.6–0.8×,
-   Spearman 0.75 MLP, 0.43 GPT; the best plan is predicted right for both).  The 2
-   cores are shared with other jobs (load 5–7 during the runs): the same layout (auto
-   1×8 and auto 8×1 are one plan on one host) measured 13.0 and 25.3 ms (MLP) in one run,
-   and 94 vs 37 ms (GPT) in an earlier one, so these rankings are only indicative until
-   taken on an idle machine.  The steady under-prediction is consistent with per-step
-   dispatch / host overheads of 8 emulated devices on 2 cores, which the model omits.
+1. **Memory: 7/16 within ±10% (was 0/16 with the per-value count).**  The predicted figure
+   is now `passes/memory.py`'s estimate of the compiled step (fused elementwise chains,
+   outputs aliased to donated inputs, unreduced partial sums combined in buckets,
+   resharded copies).  Every MLP plan but ZeRO-3 is within 1% (0.99–1.01).  What is left:
+   * *GPT, every plan under-predicted (0.70–0.86)*: the temp term.  GPT dp: predicted temp
+     4.68 MiB, compiled 7.24 MiB; arguments/outputs/aliases agree to the byte.  XLA
+     combines the 33 gradient all-reduces into one tuple all-reduce (as the model's
+     buckets assume), so the gap is elsewhere, not yet attributed buffer by buffer; the
+     likely cause is backward-pass buffers (attention, LayerNorm) that the fusion rule
+     treats as fused (the "+ elementwise fused" what-if column is 0.58–0.90 on GPT);
+   * *ZeRO-3 (MLP 0.83, GPT 0.86)*: the parameter all-gathers' full-size outputs; the
+     estimate keeps each gathered parameter only until its first reader.
+2. **Communication bytes 13/16 within ±15%.**  Off: ZeRO-3 (0.70 MLP, 0.74 GPT: on CPU
+   XLA lowers each reduce-scatter to all-reduce + dynamic-slice, JAX-NOTES, doubling its
+   bytes) and GPT auto 2×4 (0.78).
+3. **Step time on 8xA100-80GB: 13/16 within ±25%; ranking by predicted vs audited time:
+   Spearman 0.98 (GPT), 0.75 (MLP); the best plan (dp) is predicted right for both.**
+   The misordered pairs are the 2×4 meshes, over-priced (MLP tp 2×4 1.24, auto 2×4 1.30,
+   GPT tp 2×4 1.57, auto 2×4 1.26): a collective over both axes is priced as one
+   collective per axis, XLA emits one over the 8-device group.
+4. **XLA's involuntary full rematerializations: 0 on all 16 plans** (counted from the
+   compile's log, `autopar.cost_model.compile_log`): reshards that move a split between
+   dims with several mesh axes are emitted through the gathered layout (`gather_first`)
+   and priced as all-gathers.
+5. **cpu-local timings are not usable in this run**: load average 6 on 2 shared cores;
+   predictions are 0.15–0.40 of the measured medians and the same layout measured 21 and
+   41 ms (MLP tp 1×8 vs 8×1), so the measured ranking (Spearman 0.14 MLP, 0.57 GPT) is
+   noise-dominated.
 """
 
 

@@ -1,6 +1,6 @@
 """Cost model: cluster specs and presets, α-β collectives, roofline compute (DESIGN §6)."""
 
-from . import collectives, compute, devices, hlo_audit, profiler, units
+from . import collectives, compile_log, compute, devices, hlo_audit, profiler, units
 from .cluster import ClusterSpec, Link
 from .hlo_audit import Audit, audit
 from .profiler import ProfileResult, profile
@@ -13,6 +13,7 @@ __all__ = [
     "ProfileResult",
     "audit",
     "collectives",
+    "compile_log",
     "compute",
     "devices",
     "format_bytes",

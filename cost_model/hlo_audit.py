@@ -142,6 +142,9 @@ class Audit:
       memory: per-device memory (None if ``memory_analysis()`` is unavailable).
       compute_dtype: dtype of the largest dot / convolution output (sets the peak FLOP/s;
         ``"float32"`` when there is none).
+      involuntary_rematerializations: reshards the partitioner did by replicating the whole
+        tensor (its "Involuntary full rematerialization" warnings, see
+        :mod:`autopar.cost_model.compile_log`), or None when the compile was not logged.
     """
 
     mesh_shape: tuple[int, ...]
@@ -151,6 +154,7 @@ class Audit:
     bytes_accessed: float
     memory: MemoryUsage | None
     compute_dtype: str
+    involuntary_rematerializations: int | None = None
 
     def bytes_by_kind(self, which: str = "nbytes") -> dict[str, float]:
         """Sum of ``which`` (``"nbytes"``, ``"operand_bytes"`` or ``"result_bytes"``) per kind."""
@@ -194,6 +198,7 @@ class Audit:
             "bytes_accessed": self.bytes_accessed,
             "memory": memory,
             "compute_dtype": self.compute_dtype,
+            "involuntary_rematerializations": self.involuntary_rematerializations,
         }
 
     def summary(self, cluster: ClusterSpec | None = None) -> str:
@@ -225,7 +230,7 @@ class Audit:
 
 
 def audit(compiled: Any, mesh_shape: Sequence[int], mesh_axes: Sequence[str],
-          device_ids: Sequence[int] | None = None) -> Audit:
+          device_ids: Sequence[int] | None = None, compile_log: Any = None) -> Audit:
     """Audits ``compiled`` (``jax.jit(f).lower(...).compile()``) run on a logical mesh.
 
     Args:
@@ -234,6 +239,8 @@ def audit(compiled: Any, mesh_shape: Sequence[int], mesh_axes: Sequence[str],
       mesh_axes: the axis names, e.g. ``("x", "y")``.
       device_ids: the id the HLO uses for each flat (row-major) mesh position; default
         ``range(prod(mesh_shape))`` — SPMD partition ids follow the mesh's device order.
+      compile_log: the `compile_log.CompileLog` of the compile that made ``compiled``
+        (`compile_log.compile_logged`), to count involuntary full rematerializations.
 
     Raises:
       ValueError: mismatched mesh shape / names / device ids, or HLO this parser cannot read.
@@ -248,7 +255,9 @@ def audit(compiled: Any, mesh_shape: Sequence[int], mesh_axes: Sequence[str],
         memory = MemoryUsage(int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
                              int(m.alias_size_in_bytes), int(m.temp_size_in_bytes))
     base = audit_text(compiled.as_text(), mesh_shape, mesh_axes, device_ids)
-    return dataclasses.replace(base, flops=flops, bytes_accessed=bytes_accessed, memory=memory)
+    remats = None if compile_log is None else compile_log.involuntary_rematerializations
+    return dataclasses.replace(base, flops=flops, bytes_accessed=bytes_accessed, memory=memory,
+                               involuntary_rematerializations=remats)
 
 
 def audit_text(hlo_text: str, mesh_shape: Sequence[int], mesh_axes: Sequence[str],

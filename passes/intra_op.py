@@ -16,6 +16,7 @@ input's spec for that output, and the edge prices the resharding that costs.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -27,8 +28,20 @@ import numpy as np
 from autopar.cost_model.units import format_bytes
 from autopar.graph import Graph, Lit, Value, is_numeric
 
+from . import memory as mem
 from . import strategies as st
-from .sharding_spec import MeshContext, Spec, enumerate_specs, is_valid, replicated, reshard_s
+from .sharding_spec import (
+    COMBINE_BYTES,
+    MeshContext,
+    Spec,
+    enumerate_specs,
+    full_rematerialization,
+    gather_first,
+    is_slice,
+    is_valid,
+    replicated,
+    reshard_s,
+)
 from .solver import DEFAULT_BACKEND, Backend, InfeasibleError, ShardingProblem, Solution, solve
 
 
@@ -61,6 +74,7 @@ class IntraOpResult:
       operand_specs: (equation, operand position, spec) where a matmul, convolution,
         gather or scatter reads an operand in another layout than the operand's own; the
         emitter pins these, so XLA reshards exactly as priced.
+      memory: the `passes.memory` estimate behind `memory_bytes` (its terms).
     """
 
     mesh: MeshContext
@@ -73,6 +87,7 @@ class IntraOpResult:
     solution: Solution
     stats: dict
     operand_specs: tuple[tuple[int, int, Spec], ...] = ()
+    memory: mem.MemoryEstimate | None = None
 
 
 @dataclasses.dataclass
@@ -85,6 +100,8 @@ class _Group:
     comm_s: np.ndarray
     members: list[int] = dataclasses.field(default_factory=list)
     label: str = ""
+    # (output value, bytes per device of its unreduced partial sum per strategy)
+    partials: list[tuple[int, np.ndarray]] = dataclasses.field(default_factory=list)
 
 
 def run(graph: Graph, mesh: MeshContext, **options: Any) -> IntraOpResult:
@@ -168,21 +185,42 @@ def _finish(graph: Graph, mesh: MeshContext, builder: _ProblemBuilder,
             problem: ShardingProblem, solution: Solution, t_build: float,
             ties: Sequence[tuple[int, int]], memory_budget_bytes: float | None,
             solver: Backend, time_limit_s: float) -> IntraOpResult:
+    """The plan read off `solution` (re-solved under scaled memory caps until the memory
+    model's estimate fits `memory_budget_bytes`: `fit_budget`)."""
+    estimate = builder.estimate(solution.strategies)
     memory_bound = False
-    if memory_budget_bytes is not None and (
-            _peak_memory(problem, solution.strategies) > memory_budget_bytes):
+    solves = 1
+    if memory_budget_bytes is not None and estimate.peak_bytes > memory_budget_bytes:
         memory_bound = True
-        problem = builder.problem(memory_budget_bytes)
-        try:
-            solution = solve(problem, time_limit_s=time_limit_s, backend=solver)
-        except InfeasibleError as err:
-            raise MemoryBudgetError(float(memory_budget_bytes), err.smallest_peak_usage,
-                                    mesh.shape) from None
+        fitted = fit_budget(builder, float(memory_budget_bytes), solution, estimate,
+                            solver=solver, time_limit_s=time_limit_s)
+        solves += fitted.solves
+        if fitted.solution is None:
+            raise MemoryBudgetError(float(memory_budget_bytes),
+                                    fitted.smallest.peak_bytes, mesh.shape)
+        solution, estimate = fitted.solution, fitted.estimate
+    return _result(builder, solution, estimate, ties, {
+        "build_s": t_build, "memory_bound": memory_bound, "memory_solves": solves})
+
+
+def _result(builder: _ProblemBuilder, solution: Solution, estimate: mem.MemoryEstimate,
+            ties: Sequence[tuple[int, int]], extra: dict) -> IntraOpResult:
+    """The pass's answer for one solution of `builder`'s problem."""
+    graph = builder.graph
+    mesh = builder.mesh
+    problem_nodes = len(builder.groups)
     choice = solution.strategies
     value_specs = {vid: builder.specs[vid][choice[g]] for vid, g in builder.group_of.items()}
-    operand_specs = tuple(
-        (eqn, k, req[choice[g]]) for eqn, k, vid, g, req in builder.operand_requirements
-        if req[choice[g]] is not None and req[choice[g]] != value_specs[vid])
+    operand_specs = {
+        (eqn, k): req[choice[g]] for eqn, k, vid, g, req in builder.operand_requirements
+        if req[choice[g]] is not None and req[choice[g]] != value_specs[vid]}
+    # Other reads that move a split between dims with several axes involved are pinned too,
+    # so that the emitter can route them through `gather_first` (XLA would replicate).
+    for eqn, k, vid, g, req in builder.requirements:
+        want = req[choice[g]]
+        if want is not None and k >= 0 and full_rematerialization(value_specs[vid], want):
+            operand_specs.setdefault((eqn, k), want)
+    operand_specs = tuple((e, k, sp) for (e, k), sp in sorted(operand_specs.items()))
     out_specs = []
     tied = dict(ties)
     for pos, op in enumerate(graph.outvars):
@@ -194,22 +232,98 @@ def _finish(graph: Graph, mesh: MeshContext, builder: _ProblemBuilder,
             shape = op.shape if isinstance(op, Lit) else graph.values[op].shape
             out_specs.append(replicated(len(shape)))
     compute = float(sum(g.compute_s[choice[i]] for i, g in enumerate(builder.groups)))
-    memory = _peak_memory(problem, choice)
     stats = {
         "values_with_decision": len(builder.group_of),
         "nodes_before_merge": builder.nodes_before_merge,
-        "nodes_after_merge": problem.num_nodes,
-        "edges": problem.num_edges,
-        "strategies": int(problem.num_strategies().sum()),
-        "build_s": t_build,
+        "nodes_after_merge": problem_nodes,
+        "edges": len(builder.edges),
+        "strategies": int(sum(g.num_strategies for g in builder.groups)),
+        **extra,
         "solve_s": solution.seconds,
         "solver_status": solution.status,
-        "memory_bound": memory_bound,
         "solver": dict(solution.stats),
+        "memory": estimate.to_json(),
     }
     return IntraOpResult(mesh, value_specs, tuple(out_specs), float(solution.cost), compute,
-                         float(solution.cost) - compute, memory, solution, stats,
-                         operand_specs)
+                         float(solution.cost) - compute, estimate.peak_bytes, solution, stats,
+                         operand_specs, estimate)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fitted:
+    """`fit_budget`'s answer: the cheapest solution found whose estimate fits (None if
+    none), the smallest estimate seen, and the number of solves."""
+
+    solution: Solution | None
+    estimate: mem.MemoryEstimate | None
+    smallest: mem.MemoryEstimate
+    solves: int
+
+
+# Solves `fit_budget` may spend looking for a plan under a memory budget.
+MAX_BUDGET_SOLVES = 6
+
+
+def fit_budget(builder: _ProblemBuilder, budget_bytes: float, unconstrained: Solution,
+               unconstrained_estimate: mem.MemoryEstimate, *, solver: Backend,
+               time_limit_s: float, max_solves: int = MAX_BUDGET_SOLVES) -> Fitted:
+    """The cheapest layout whose `passes.memory` estimate fits `budget_bytes`.
+
+    The ILP's memory rows bound each group's buffers over the group's whole interval and
+    cannot see resharded copies, so its usage is not the estimate: the usage limit given
+    to the ILP (the cap) is scaled by the ratio of the two on the last solution and
+    corrected until the estimate fits, then bisected towards a faster plan that still fits.
+    """
+    base = builder.problem(None)
+    best: tuple[Solution, mem.MemoryEstimate] | None = None
+    smallest = unconstrained_estimate
+    fits_cap: float | None = None      # largest cap whose solution fits
+    over_cap: float | None = None      # smallest cap whose solution does not fit
+    floor: float | None = None         # the ILP's least possible usage (at the cap floor)
+    ratio = _peak_memory(base, unconstrained.strategies) / max(
+        unconstrained_estimate.peak_bytes, 1.0)
+    cap = budget_bytes * ratio
+    solves = 0
+    while solves < max_solves:
+        if floor is not None:
+            cap = max(cap, floor)
+        solves += 1
+        try:
+            sol = solve(builder.problem(cap), time_limit_s=time_limit_s, backend=solver)
+        except InfeasibleError as err:
+            if floor is not None:
+                break
+            floor = err.smallest_peak_usage * (1 + 1e-9)
+            over_cap = cap if over_cap is None else min(over_cap, cap)
+            cap = floor
+            continue
+        est = builder.estimate(sol.strategies)
+        if est.peak_bytes < smallest.peak_bytes:
+            smallest = est
+        if est.peak_bytes <= budget_bytes:
+            if best is None or sol.cost < best[0].cost:
+                best = (sol, est)
+            fits_cap = cap if fits_cap is None else max(fits_cap, cap)
+            if sol.cost <= unconstrained.cost * (1 + 1e-9):
+                break
+            if over_cap is None:
+                if est.peak_bytes > 0.95 * budget_bytes:
+                    break
+                cap *= budget_bytes / est.peak_bytes  # room left: try a faster plan
+                continue
+        else:
+            over_cap = cap if over_cap is None else min(over_cap, cap)
+            if fits_cap is None:
+                if floor is not None and cap <= floor:
+                    break
+                cap *= 0.98 * budget_bytes / est.peak_bytes
+                continue
+        if over_cap / fits_cap < 1.05:
+            break
+        cap = math.sqrt(fits_cap * over_cap)
+    if best is None:
+        return Fitted(None, None, smallest, solves)
+    return Fitted(best[0], best[1], smallest, solves)
 
 
 def _built(graph: Graph, mesh: MeshContext, forced: Mapping[int, Spec] | None,
@@ -220,6 +334,9 @@ def _built(graph: Graph, mesh: MeshContext, forced: Mapping[int, Spec] | None,
     builder.build()
     for pos, in_vid in ties:
         out = graph.outvars[pos]
+        if isinstance(out, int) and graph.values[out].producer is not None:
+            builder.aliased.add(out)
+            builder.tie_pairs.append((out, in_vid))
         if isinstance(out, int) and out in builder.group_of and in_vid in builder.group_of:
             builder.require(out, in_vid, builder.specs[in_vid])
     return builder
@@ -259,6 +376,12 @@ class _ProblemBuilder:
         # (equation, operand position, value, group, spec per strategy) of enumerated
         # equations: the layouts their chosen strategy reads its operands in.
         self.operand_requirements: list[tuple[int, int, int, int, list]] = []
+        # (equation, operand position, operand value, consumer group, spec per strategy)
+        # of every operand.
+        self.requirements: list[tuple[int, int, int, int, list]] = []
+        self._buffers: mem.BufferInfo | None = None
+        self.aliased: set[int] = set()   # outputs written into their donated input
+        self.tie_pairs: list[tuple[int, int]] = []  # (output value, input value it replaces)
 
     # -- groups -----------------------------------------------------------------------------
 
@@ -295,9 +418,14 @@ class _ProblemBuilder:
         return cost
 
     def require(self, vid: int, consumer_vid_or_gid: int, required: Sequence[Spec | None],
-                *, consumer_is_group: bool = False) -> None:
-        """Operand `vid` must arrive in `required[j]` when the consumer's group picks j."""
+                *, consumer_is_group: bool = False, eqn: int | None = None,
+                position: int = -1) -> None:
+        """Operand `vid` must arrive in `required[j]` when the consumer's group picks j
+        (`eqn`, `position`: the consuming equation and operand, where the resharded copy is
+        made)."""
         gv = consumer_vid_or_gid if consumer_is_group else self.group_of[consumer_vid_or_gid]
+        if eqn is not None:
+            self.requirements.append((eqn, position, vid, gv, list(required)))
         gu = self.group_of[vid]
         nbytes = self.graph.values[vid].nbytes
         src_index, src_specs = _distinct(self.specs[vid])
@@ -359,7 +487,8 @@ class _ProblemBuilder:
         return st.EqnInfo(eqn, tuple(in_shapes), tuple(o.shape for o in outs),
                           tuple(in_bytes), tuple(float(o.nbytes) for o in outs), tuple(fixed),
                           tuple(bcast), self.batch_size,
-                          eqn_out_dtype=outs[0].dtype if outs else np.float32)
+                          eqn_out_dtype=outs[0].dtype if outs else np.float32,
+                          fused_bytes=float(self.buffers.eqn_bytes[eqn.index]))
 
     def add_input(self, value: Value) -> None:
         if value.id in self.forced:
@@ -404,7 +533,8 @@ class _ProblemBuilder:
         for k, op in enumerate(eqn.inputs):
             # The leader's own re-layout (dropped axes) is priced by the rule's comm_s.
             if k != lead and isinstance(op, int) and op not in self.fixed:
-                self.require(op, gid, in_specs[k], consumer_is_group=True)
+                self.require(op, gid, in_specs[k], consumer_is_group=True, eqn=eqn.index,
+                             position=k)
 
     def add_enumerated(self, info: st.EqnInfo, rule: st.StrategyRule | None) -> None:
         eqn = info.eqn
@@ -419,21 +549,41 @@ class _ProblemBuilder:
             strategies = [st.replicated_strategy(info, self.mesh)]
         strategies = _dedupe(strategies)
         scale = self.comm_scale.get(eqn.index, 1.0)
+        comm = [s.comm_s * scale + self.uncombined_alpha_s(eqn, s) for s in strategies]
         gid = self.new_group([s.name for s in strategies], [s.compute_s for s in strategies],
-                             [s.comm_s * scale for s in strategies],
-                             f"{eqn.name} @ {eqn.where()}")
+                             comm, f"{eqn.name} @ {eqn.where()}")
         for k, vid in enumerate(eqn.outputs):
             self.add_member(gid, vid, [s.out_specs[k] for s in strategies])
+        partial = np.array([s.partial_bytes for s in strategies])
+        if eqn.outputs and partial.any():
+            self.groups[gid].partials.append((eqn.outputs[0], partial))
         for k, op in enumerate(eqn.inputs):
             if isinstance(op, int) and op not in self.fixed:
                 required = [s.in_specs[k] for s in strategies]
-                self.require(op, gid, required, consumer_is_group=True)
+                self.require(op, gid, required, consumer_is_group=True, eqn=eqn.index,
+                             position=k)
                 self.operand_requirements.append((eqn.index, k, op, gid, required))
+
+    def uncombined_alpha_s(self, eqn, strategy: st.Strategy) -> float:
+        """The latency a partial-sum reduction pays beyond its share of a combined bucket
+        when the critical path waits for it (an activation's reduction is not combined with
+        others, passes/memory.py `urgent`): rules price α pro-rated to a 30 MiB bucket."""
+        if not strategy.partial_axes or not eqn.outputs:
+            return 0.0
+        if not self.buffers.urgent[eqn.outputs[0]]:
+            return 0.0
+        link = self.mesh.group_link(strategy.partial_axes)
+        return link.alpha_s * max(0.0, 1.0 - strategy.partial_bytes / COMBINE_BYTES)
 
     # -- the problem ------------------------------------------------------------------------
 
+    @property
+    def buffers(self) -> mem.BufferInfo:
+        if self._buffers is None:
+            self._buffers = mem.analyze(self.graph)
+        return self._buffers
+
     def problem(self, memory_budget_bytes: float | None) -> ShardingProblem:
-        live = self.graph.liveness()
         costs, usages, intervals, names = [], [], [], []
         members_by_group: dict[int, list[int]] = defaultdict(list)
         for vid, gid in self.group_of.items():
@@ -441,7 +591,7 @@ class _ProblemBuilder:
         for gid, g in enumerate(self.groups):
             members = members_by_group[gid]
             costs.append(g.compute_s + g.comm_s)
-            usage, interval = self.group_usage(members, g.num_strategies, live)
+            usage, interval = self.group_usage(members, g)
             usages.append(usage)
             intervals.append(interval)
             names.append(g.label)
@@ -457,23 +607,79 @@ class _ProblemBuilder:
             name="intra-op",
         )
 
-    def group_usage(self, members: list[int], num: int,
-                    live: np.ndarray) -> tuple[np.ndarray, tuple[int, int]]:
-        """Peak bytes per device of the group's live members, per strategy, and the
-        interval covering them (an upper bound on the group's footprint at any time)."""
-        if not members:
-            return np.zeros(num), (0, 0)
+    def group_usage(self, members: list[int], group: _Group
+                    ) -> tuple[np.ndarray, tuple[int, int]]:
+        """Peak bytes per device of the group's buffers (passes/memory.py: materialized
+        members over their fused liveness, inputs over the whole step, outputs aliased to a
+        donated input excluded, unreduced partial sums), per strategy, and the interval
+        covering them (a bound on the group's footprint at any time of it)."""
+        num = group.num_strategies
+        info = self.buffers
         vals = self.graph.values
-        per = np.empty((len(members), num))
-        for row, v in enumerate(members):
+        rows, spans = [], []
+        for v in members:
+            if not info.materialized[v] or v in self.aliased:
+                continue
             index, distinct = _distinct(self.specs[v])
             shards = np.array([self.mesh.shards(sp) for sp in distinct], dtype=np.float64)
-            per[row] = float(vals[v].nbytes) / shards[index]
-        spans = live[members]
-        starts = np.unique(spans[:, 0])
-        alive = (spans[:, 0][None, :] <= starts[:, None]) & (starts[:, None] < spans[:, 1][None, :])
+            rows.append(float(vals[v].nbytes) / shards[index])
+            spans.append((int(info.start[v]), max(int(info.end[v]), int(info.start[v]) + 1)))
+        for v, partial in group.partials:
+            s0 = int(info.start[v])
+            rows.append(np.asarray(partial, dtype=np.float64))
+            spans.append((s0, s0 + 1))
+        if not rows:
+            return np.zeros(num), (0, 0)
+        per = np.array(rows)
+        sp = np.array(spans, dtype=np.int64)
+        starts = np.unique(sp[:, 0])
+        alive = (sp[:, 0][None, :] <= starts[:, None]) & (starts[:, None] < sp[:, 1][None, :])
         usage = (alive.astype(np.float64) @ per).max(axis=0)
-        return usage, (int(spans[:, 0].min()), int(spans[:, 1].max()))
+        return usage, (int(sp[:, 0].min()), int(sp[:, 1].max()))
+
+    def estimate(self, choice: Sequence[int]) -> mem.MemoryEstimate:
+        """`passes.memory.estimate` of the layout the strategies `choice` give."""
+        return mem.estimate(self.graph, self.buffers, **self.layout_terms(choice))
+
+    def layout_terms(self, choice: Sequence[int]) -> dict:
+        """The layout-dependent arguments of `passes.memory.estimate` for `choice`."""
+        graph = self.graph
+        info = self.buffers
+        spec_of = {vid: self.specs[vid][choice[g]] for vid, g in self.group_of.items()}
+
+        def value_bytes(vid: int) -> float:
+            spec = spec_of.get(vid)
+            return graph.values[vid].nbytes / (self.mesh.shards(spec) if spec else 1)
+
+        partial = {}
+        for gid, g in enumerate(self.groups):
+            for vid, per in g.partials:
+                if per[choice[gid]] > 0:
+                    partial[vid] = float(per[choice[gid]])
+        reshards = []
+        for eqn, _, vid, gid, required in self.requirements:
+            want = required[choice[gid]]
+            have = spec_of.get(vid)
+            if want is None or have is None or want == have:
+                continue
+            sliced = is_slice(have, want)
+            if sliced and graph.eqns[eqn].name in mem.FUSING_CONSUMERS:
+                continue  # the slice is fused into the reader, which reads the whole value
+            # A move is routed through the gathered layout (`gather_first`): the larger copy.
+            shards = self.mesh.shards(want) if sliced else min(
+                self.mesh.shards(want), self.mesh.shards(gather_first(have, want)))
+            reshards.append(mem.Reshard(vid, want, graph.values[vid].nbytes / shards,
+                                        int(info.runs_at[eqn]), eqn=eqn, slice=sliced))
+        for out, inp in self.tie_pairs:
+            want, have = spec_of.get(inp), spec_of.get(out)
+            if want is None or have is None or want == have or is_slice(have, want):
+                continue
+            reshards.append(mem.Reshard(out, want, graph.values[out].nbytes
+                                        / self.mesh.shards(want), int(info.start[out]),
+                                        until=info.horizon))
+        return dict(value_bytes=value_bytes, aliased=self.aliased, partial=partial,
+                    reshards=reshards,
+                    scatter_as_all_reduce=self.mesh.cluster.device_kind == "cpu")
 
 
 def _distinct(specs: Sequence[Spec | None]) -> tuple[np.ndarray, list[Spec | None]]:
@@ -582,5 +788,5 @@ def price_specs(graph: Graph, value_specs: Mapping[int, Spec],
         p = b.problem(None)
         cost, _ = evaluate(p, choice)
         compute = float(sum(g.compute_s[choice[i]] for i, g in enumerate(b.groups)))
-        out.append(SpecsPrice(cost, compute, cost - compute, _peak_memory(p, choice)))
+        out.append(SpecsPrice(cost, compute, cost - compute, b.estimate(choice).peak_bytes))
     return out

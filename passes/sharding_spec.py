@@ -150,12 +150,15 @@ def reshard_s(src: Spec, dst: Spec, nbytes: float, mesh: MeshContext) -> float:
     """Seconds to turn a value of `nbytes` (whole) laid out as `src` into `dst`.
 
     Per mesh axis: dropped → all-gather; added → a local slice (free); moved to another
-    dim → all-to-all.  Each collective moves the part of the value still split on the
-    other axes.
+    dim → all-to-all when it is the only axis involved, else an all-gather (the emitter
+    routes such a move through `gather_first`, because XLA's partitioner would otherwise
+    replicate the whole value: `full_rematerialization`).  Each collective moves the part
+    of the value still split on the other axes.
     """
     if src == dst:
         return 0.0
     total = 0.0
+    several = len(mesh.axes_used(src) | mesh.axes_used(dst)) > 1
     for axis in mesh.split_axes:
         s_dim = _dim_of(src, axis)
         d_dim = _dim_of(dst, axis)
@@ -164,14 +167,46 @@ def reshard_s(src: Spec, dst: Spec, nbytes: float, mesh: MeshContext) -> float:
         # Bytes of the group the collective runs in: the value split by the other axes.
         others = mesh.shards(src) // mesh.size(axis)
         group_bytes = nbytes / max(others, 1)
-        if d_dim is None or len(mesh.axes_used(src) | mesh.axes_used(dst)) > 1:
-            # XLA moves a split between dims with an all-to-all only in the simple 1-axis
-            # case; with two axes involved it replicates and re-slices (it warns
-            # "involuntary full rematerialization"): price that as an all-gather.
+        if d_dim is None or several:
             total += mesh.all_gather_s(group_bytes, (axis,))
         else:
             total += mesh.all_to_all_s(group_bytes, (axis,))
     return total
+
+
+def full_rematerialization(src: Spec, dst: Spec) -> bool:
+    """Whether XLA's partitioner reshards `src` → `dst` by replicating the whole value (its
+    "involuntary full rematerialization"): with more than one mesh axis involved, a split
+    moves to another dim, or one axis is gathered while another is newly split.  Pure
+    gathers, pure slices and a one-axis move (all-to-all) are done with collectives."""
+    axes = {a for d in src for a in d} | {a for d in dst for a in d}
+    if len(axes) < 2 or src == dst:
+        return False
+    moves = gathers = adds = False
+    for a in axes:
+        s, d = _dim_of(src, a), _dim_of(dst, a)
+        if s == d:
+            continue
+        if s is None:
+            adds = True
+        elif d is None:
+            gathers = True
+        else:
+            moves = True
+    return moves or (gathers and adds)
+
+
+def gather_first(src: Spec, dst: Spec) -> Spec:
+    """The layout between `src` and `dst` that avoids a full rematerialization: `src` keeping
+    only the axes that stay on their dim in `dst` — reached by all-gathers, and from which
+    `dst` is a slice."""
+    return tuple(tuple(a for a in axes if _dim_of(dst, a) == d) for d, axes in enumerate(src))
+
+
+def is_slice(src: Spec, dst: Spec) -> bool:
+    """Whether `dst` only cuts `src` finer: every axis splitting `src` splits the same dim of
+    `dst` (a local slice, no communication, fused into the consumer by XLA)."""
+    return all(_dim_of(dst, a) == d for d, axes in enumerate(src) for a in axes)
 
 
 def _dim_of(spec: Spec, axis: str) -> int | None:

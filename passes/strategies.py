@@ -40,6 +40,10 @@ class Strategy:
       in_specs: spec every operand must arrive in (None: any, e.g. literals).
       compute_s: seconds of computation per device.
       comm_s: seconds of communication the strategy itself needs (partial-sum reductions).
+      partial_bytes: bytes per device of the unreduced partial sum of output 0 that the
+        strategy reduces (all-reduce / reduce-scatter), 0 if none (the memory model
+        counts that buffer: passes/memory.py).
+      partial_axes: the mesh axes of that reduction.
     """
 
     name: str
@@ -47,6 +51,8 @@ class Strategy:
     in_specs: tuple[Spec | None, ...]
     compute_s: float
     comm_s: float
+    partial_bytes: float = 0.0
+    partial_axes: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +79,9 @@ class EqnInfo:
     batch_size: int | None = None
 
     eqn_out_dtype: object = None
+    # Bytes the equation moves to and from memory once XLA has fused it with its
+    # neighbours (passes/memory.py); None: every operand and output (`eqn.bytes_accessed`).
+    fused_bytes: float | None = None
 
     @property
     def params(self) -> dict:
@@ -102,7 +111,8 @@ class StrategyRule:
 def compute_s(info: EqnInfo, shards: int, mesh: MeshContext) -> float:
     """Roofline seconds per device when the work is cut into `shards` pieces."""
     shards = max(shards, 1)
-    return compute.compute_time_s(info.eqn.flops / shards, info.eqn.bytes_accessed / shards,
+    nbytes = info.eqn.bytes_accessed if info.fused_bytes is None else info.fused_bytes
+    return compute.compute_time_s(info.eqn.flops / shards, nbytes / shards,
                                   info.eqn_out_dtype, mesh.cluster)
 
 
@@ -368,14 +378,16 @@ def slot_strategies(info: EqnInfo, mesh: MeshContext, slots: Sequence[Slot],
             continue
         per_group = info.out_nbytes[0] / max(mesh.shards(ospec), 1)
         strategies.append(Strategy(name + " allreduce", (ospec,), ins, comp,
-                                   mesh.all_reduce_s(per_group, partial)))
+                                   mesh.all_reduce_s(per_group, partial), per_group,
+                                   tuple(partial)))
         free = [d for d in range(len(out_shape)) if not ospec[d]
                 and out_shape[d] % mesh.dim_shards(partial) == 0]
         if free:
             d = max(free, key=lambda i: out_shape[i])
             rs_spec = tuple(tuple(partial) if i == d else a for i, a in enumerate(ospec))
             strategies.append(Strategy(name + f" reducescatter@{d}", (rs_spec,), ins, comp,
-                                       mesh.reduce_scatter_s(per_group, partial)))
+                                       mesh.reduce_scatter_s(per_group, partial), per_group,
+                                       tuple(partial)))
     return strategies
 
 

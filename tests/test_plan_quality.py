@@ -56,8 +56,11 @@ def test_small_batch_wide_mlp_is_tensor_parallel():
     """(b) batch 8, hidden 4096: weights split; per-device parameter bytes <= 1/4."""
     case = mlp_case(batch=8, hidden=4096, layers=2, optimizer="sgd")
     _, plan, compiled, state, _ = _plan_and_compiled(case, autopar.ShardParallel())
-    kernels = {n: s for n, s in _input_spec(plan, "['params']").items() if "kernel" in n}
-    assert all(any(spec) for spec in kernels.values()), plan.summary()
+    # The two 4096-wide kernels (64 MiB each); the 4096x8 output kernel (128 KiB) may stay
+    # replicated (its partial-sum all-reduce would sit on the critical path).
+    kernels = {n: s for n, s in _input_spec(plan, "['params']").items()
+               if "kernel" in n and "Dense_2" not in n}
+    assert kernels and all(any(spec) for spec in kernels.values()), plan.summary()
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     names = plan.input_names
     per_device = 0
@@ -84,7 +87,9 @@ def test_memory_budget_shards_optimizer_state():
     _, plan, compiled, _, _ = _plan_and_compiled(
         case, autopar.ShardParallel(mesh_shape=(8,), memory_budget_bytes=budget))
     opt = _input_spec(plan, "['opt_state']")
-    big = {n: s for n, s in opt.items() if "kernel" in n}
+    # The 1024x1024 hidden kernels' moments (4 MiB each); the 1024x8 output kernel's
+    # (32 KiB) may stay replicated.
+    big = {n: s for n, s in opt.items() if "kernel" in n and "Dense_2" not in n}
     assert big and all(any(spec) for spec in big.values()), plan.summary()
     assert plan.predicted.memory_bytes <= budget
     assert per_device_bytes(compiled) <= budget, (per_device_bytes(compiled), budget)

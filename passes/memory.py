@@ -1,0 +1,451 @@
+"""Per-device memory of the program XLA builds from a laid-out jaxpr (DESIGN §4, §6).
+
+The intra-op pass predicts what ``compiled.memory_analysis()`` reports for the emitted
+step: ``argument + output − alias + temp`` bytes per device.  The terms, as XLA's buffer
+assignment has them:
+
+* **arguments**: every input at its layout, live for the whole step (the caller owns the
+  buffers; a donated one is reused for the output tied to it).
+* **outputs**: every output at its layout; an output tied to a donated input (new params /
+  optimizer state) is written into that input's buffer (**alias**) and adds nothing.
+* **temp**: the peak, over the program order, of the intermediate buffers live at once:
+  - a value gets a buffer only if XLA materializes it: elementwise / layout-only producers
+    whose consumers all fuse them (loop and input fusion) have none (`fused`), and their
+    operands stay live until the fusion runs (`BufferInfo.end`);
+  - a partial-sum result (a strategy that all-reduces or reduce-scatters) has a second
+    buffer for the unreduced sum; reductions that nothing on the critical path waits for
+    (parameter gradients) are combined by XLA in buckets of up to `COMBINE_BYTES`, and a
+    bucket's unreduced sums stay live until its last member is computed;
+  - a reshard that gathers or moves data (all-gather, all-to-all) makes a copy of the
+    operand in the consumer's layout, shared by every consumer that needs that layout
+    (XLA's CSE), live from the first of them to the last; slicing to a finer layout is
+    fused into the consumer.
+  Values computed from constants only are folded into constants by XLA (no temp).
+
+Time is the jaxpr's equation order: XLA's scheduler reorders little for a training step
+(forward, backward, update), and where it does it lowers the peak, so the figure is an
+upper estimate of the schedule XLA picks.  `analyze(graph)` is the layout-independent part
+(fusion, liveness, combinable reductions); `estimate(...)` prices one layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from autopar.graph import ELEMENTWISE, Graph
+
+from .sharding_spec import COMBINE_BYTES
+
+# Equations XLA fuses into their consumers (loop fusion): no buffer of their own when every
+# consumer can take them as a fused operand.
+FUSIBLE_PRODUCERS: frozenset[str] = frozenset(ELEMENTWISE) | {
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "iota", "transpose",
+    "slice", "dynamic_slice", "concatenate", "pad", "rev", "select_n", "clamp",
+}
+# Equations that read fused operands: loop fusions (elementwise, layout changes) and input
+# fusions (reductions read their operand's producers inside the reduce kernel).
+FUSING_CONSUMERS: frozenset[str] = FUSIBLE_PRODUCERS | {
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+    "argmax", "argmin",
+}
+# Producers XLA recomputes in every consumer that fuses them only when cheap; an expensive
+# one with several consumers keeps its buffer (xla::HloInstruction::IsElementwise + the
+# fusion pass's "do not duplicate expensive ops").
+EXPENSIVE: frozenset[str] = frozenset(
+    "exp exp2 log log1p tanh logistic sin cos tan sqrt rsqrt cbrt pow div rem erf erfc "
+    "erf_inv atan2 asin acos atan sinh cosh asinh acosh atanh expm1".split())
+
+
+def _expensive(graph: Graph, e) -> bool:
+    """Whether XLA keeps `e` rather than recompute it in several fusions.  A division by a
+    broadcast non-scalar (softmax's normalization) is rewritten by XLA's algebraic
+    simplifier into a multiplication by the reciprocal of the smaller operand: cheap."""
+    if e.name != "div":
+        return e.name in EXPENSIVE
+    divisor = e.inputs[1] if len(e.inputs) > 1 else None
+    if isinstance(divisor, int) and graph.values[divisor].producer is not None:
+        src = graph.eqns[graph.values[divisor].producer]
+        if src.name == "broadcast_in_dim" and isinstance(src.inputs[0], int) \
+                and graph.values[src.inputs[0]].ndim > 0:
+            return False
+    return True
+
+
+# Consumers that make a partial sum's reduction urgent (the critical path waits for it).
+_INDEXED = frozenset({"gather", "scatter-add", "scatter_add", "scatter"})
+_CRITICAL = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add",
+                       "scatter_add", "scatter", "sort", "top_k", "scan", "while", "cond"})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BufferInfo:
+    """Layout-independent facts about a program's buffers.
+
+    Attributes:
+      materialized: bool [num_values]: the value gets a buffer (not fused, not a constant,
+        not folded from constants).
+      start / end: int64 [num_values]: the buffer's live interval [start, end) in equation
+        order (inputs from 0, outputs to `horizon`); `end` is when the last fusion reading
+        the value runs.
+      horizon: one past the last time step.
+      urgent: bool [num_values]: something on the critical path (a matmul, a gather, a
+        loop, ...) reads the value, so a reduction of it cannot be deferred and combined.
+      is_output: bool [num_values]: the value is a program output.
+      runs_at: int64 [num_eqns]: the latest time each equation's work runs (a fused
+        equation runs inside its consumers' fusions).
+      inplace: value id → the buffers a loop fusion producing it reads (its operands through
+        fused producers); XLA may write the result over one that dies there.
+      readers: value id → (equation, time) of every read of its buffer.
+      eqn_bytes: float64 [num_eqns]: bytes each equation reads and writes in memory once
+        fused: the buffers it reads (not the values it recomputes) and the buffers it
+        writes (a fused output is never written).
+    """
+
+    materialized: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    horizon: int
+    urgent: np.ndarray
+    is_output: np.ndarray
+    runs_at: np.ndarray
+    inplace: dict
+    readers: dict
+    eqn_bytes: np.ndarray
+
+
+def analyze(graph: Graph) -> BufferInfo:
+    """Fusion, liveness and urgency of every value of `graph` (see the module docstring).
+
+    A fusible equation (elementwise, layout change) is recomputed inside every consumer
+    that can fuse it.  If all its consumers can, it has no buffer; if some cannot (a matmul,
+    a gather, ...), it is materialized for those only, and its operands stay live until the
+    fusing consumers have run too.  An expensive one (exp, log, tanh, ...) read by several
+    consumers is not recomputed: it keeps its buffer until its last use.
+    """
+    n_vals, n_eqns = len(graph.values), len(graph.eqns)
+    horizon = n_eqns + 1
+    is_output = np.zeros(n_vals, bool)
+    for op in graph.outvars:
+        if isinstance(op, int):
+            is_output[op] = True
+    folded = np.zeros(n_vals, bool)  # constants and values computed from them only
+    for v in graph.values:
+        if v.const_index is not None:
+            folded[v.id] = True
+    for e in graph.eqns:
+        ops = [op for op in e.inputs if isinstance(op, int)]
+        if all(folded[op] for op in ops) and e.name not in ("random_bits", "rng_bit_generator"):
+            folded[list(e.outputs)] = True
+    # Per equation output: "buffer" (every reader reads its buffer), "fused" (every reader
+    # recomputes it), "split" (some readers recompute it, the others read its buffer).
+    mode: dict[int, str] = {}
+    for e in graph.eqns:
+        if e.name not in FUSIBLE_PRODUCERS or len(e.outputs) != 1:
+            continue
+        out = e.outputs[0]
+        users = graph.consumers[out]
+        if is_output[out] or not users or folded[out]:
+            continue
+        if _expensive(graph, e) and len(users) > 1:
+            continue
+        fusing = [u for u in users if graph.eqns[u].name in FUSING_CONSUMERS]
+        if len(fusing) == len(users):
+            mode[out] = "fused"
+        elif any(graph.eqns[u].name in FUSIBLE_PRODUCERS for u in fusing):
+            mode[out] = "split"
+
+    def recomputes(vid: int, user: int) -> bool:
+        # Where the value has a buffer anyway, a reduction reads it (input fusion reads
+        # materialized operands); loop fusions recompute it.
+        m = mode.get(vid)
+        return m == "fused" or (m == "split" and graph.eqns[user].name in FUSIBLE_PRODUCERS)
+
+    # last[e]: the latest time equation e's computation runs (in its own position, or
+    # inside the fusions that recompute it).
+    last = np.arange(n_eqns, dtype=np.int64)
+    for e in reversed(graph.eqns):
+        if len(e.outputs) != 1 or e.outputs[0] not in mode:
+            continue
+        out = e.outputs[0]
+        times = [int(last[u]) for u in graph.consumers[out] if recomputes(out, u)]
+        if mode[out] == "split":
+            times.append(e.index)
+        last[e.index] = max(times)
+    start = np.zeros(n_vals, np.int64)
+    end = np.zeros(n_vals, np.int64)
+    readers: dict[int, tuple[tuple[int, int], ...]] = {}
+    for v in graph.values:
+        s = 0 if v.producer is None else v.producer
+        # A consumer recomputed inside later fusions reads the buffer when they run.
+        reads = tuple((u, int(last[u])) for u in graph.consumers[v.id]
+                      if not recomputes(v.id, u))
+        readers[v.id] = reads
+        start[v.id] = s
+        if is_output[v.id] or v.producer is None:
+            end[v.id] = horizon
+        else:
+            end[v.id] = max((t for _, t in reads), default=s) + 1
+    # A gather / scatter that reads only the step's inputs (embedding lookups, one-hot
+    # labels) is scheduled at the start by XLA: its buffer lives from then on.
+    from_inputs = np.zeros(n_vals, bool)
+    for v in graph.values:
+        if v.producer is None:
+            from_inputs[v.id] = True
+    for e in graph.eqns:
+        if all(from_inputs[op] for op in e.inputs if isinstance(op, int)):
+            from_inputs[list(e.outputs)] = True
+            if e.name in _INDEXED:
+                start[list(e.outputs)] = 0
+    urgent = np.zeros(n_vals, bool)
+    for e in reversed(graph.eqns):
+        hot = e.name in _CRITICAL or any(urgent[o] for o in e.outputs)
+        if hot:
+            for op in e.inputs:
+                if isinstance(op, int):
+                    urgent[op] = True
+    fused = np.array([mode.get(v, "") == "fused" for v in range(n_vals)], bool)
+    materialized = ~fused & ~folded
+    inplace: dict[int, tuple[int, ...]] = {}
+    for e in graph.eqns:
+        if e.name not in FUSIBLE_PRODUCERS or len(e.outputs) != 1:
+            continue
+        out = e.outputs[0]
+        if not materialized[out]:
+            continue
+        found, stack, seen = [], [e], set()
+        while stack:
+            q = stack.pop()
+            for op in q.inputs:
+                if not isinstance(op, int) or op in seen:
+                    continue
+                seen.add(op)
+                if op in mode:
+                    stack.append(graph.eqns[graph.values[op].producer])
+                elif materialized[op] and graph.values[op].producer is not None:
+                    found.append(op)
+        inplace[out] = tuple(found)
+    eqn_bytes = np.zeros(n_eqns)
+    for v in graph.values:
+        if not materialized[v.id] and v.const_index is None:
+            continue
+        for u, _ in readers[v.id]:
+            eqn_bytes[u] += v.nbytes
+        if v.producer is not None and materialized[v.id]:
+            eqn_bytes[v.producer] += v.nbytes
+    return BufferInfo(materialized, start, end, horizon, urgent, is_output, last, inplace,
+                      readers, eqn_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reshard:
+    """Equation `eqn` reads `value` in another layout (`target`) than its own.
+
+    A gathering reshard (all-gather, all-to-all) makes a copy of `nbytes` per device just
+    before the reader, at `time`.  A `slice` (a finer layout of the same splits) is computed
+    once, right after the value (XLA's scheduler frees the whole value early that way): the
+    copy lives from the value's production to its last sliced reader, and those readers no
+    longer keep the value itself live.  `until`: the copy of an output into its tied input's
+    layout is kept to the end of the step (XLA copies it into the donated buffer after the
+    step's last read of that buffer).
+    """
+
+    value: int
+    target: object
+    nbytes: float
+    time: int
+    eqn: int = -1
+    slice: bool = False
+    until: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted ``memory_analysis()`` of a laid-out program, bytes per device.
+
+    Attributes:
+      peak_bytes: argument + output − alias + temp.
+      argument_bytes / output_bytes / alias_bytes / temp_bytes: the four terms.
+      peak_time: the equation index where the temp peak is reached.
+      at_peak: the largest contributions to the temp peak, (label, bytes), largest first.
+    """
+
+    peak_bytes: float
+    argument_bytes: float
+    output_bytes: float
+    alias_bytes: float
+    temp_bytes: float
+    peak_time: int
+    at_peak: tuple[tuple[str, float], ...] = ()
+
+    def to_json(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "argument_bytes": self.argument_bytes,
+                "output_bytes": self.output_bytes, "alias_bytes": self.alias_bytes,
+                "temp_bytes": self.temp_bytes, "peak_time": self.peak_time,
+                "at_peak": [list(x) for x in self.at_peak]}
+
+
+def estimate(graph: Graph, info: BufferInfo, value_bytes: Callable[[int], float], *,
+             aliased: Iterable[int] = (),
+             partial: Mapping[int, float] | None = None,
+             reshards: Sequence[Reshard] = (),
+             scatter_as_all_reduce: bool = False,
+             top: int = 12) -> MemoryEstimate:
+    """The peak of one layout.
+
+    Args:
+      graph / info: the program and `analyze(graph)`.
+      value_bytes: bytes per device of a value at its layout.
+      aliased: output values written into a donated input's buffer.
+      partial: value id → bytes per device of its unreduced partial sum (the value is the
+        result of an all-reduce / reduce-scatter of that buffer).
+      reshards: consumer-side copies (`Reshard`); copies of one (value, target) are shared.
+      scatter_as_all_reduce: the backend lowers a reduce-scatter to an all-reduce and a
+        slice its readers fuse (XLA:CPU), so the value keeps the unscattered size.
+      top: how many contributions to report in `MemoryEstimate.at_peak`.
+    """
+    aliased = set(aliased)
+    args = sum(value_bytes(v) for v in graph.invars)
+    outs = alias = 0.0
+    for op in graph.outvars:
+        if isinstance(op, int):
+            outs += value_bytes(op)
+            if op in aliased:
+                alias += value_bytes(op)
+    events = temp_buffers(graph, info, value_bytes, aliased=aliased, partial=partial,
+                          reshards=reshards, scatter_as_all_reduce=scatter_as_all_reduce)
+    temp, t_peak = 0.0, 0
+    if events:
+        live = usage_profile(events, info.horizon)
+        t_peak = int(np.argmax(live))
+        temp = float(live[t_peak])
+    at_peak = sorted(((lab, b) for s, e, b, lab in events if s <= t_peak < e),
+                     key=lambda x: -x[1])[:top]
+    return MemoryEstimate(args + outs - alias + temp, float(args), float(outs), float(alias),
+                          temp, t_peak, tuple(at_peak))
+
+
+def usage_profile(events: Sequence[tuple[int, int, float, str]], horizon: int) -> np.ndarray:
+    """Bytes live at every time step [0, horizon] of `temp_buffers`' events."""
+    usage = np.zeros(horizon + 2)
+    for s, e, nbytes, _ in events:
+        usage[s] += nbytes
+        usage[min(e, horizon + 1)] -= nbytes
+    return np.cumsum(usage)[:horizon + 1]
+
+
+def temp_buffers(graph: Graph, info: BufferInfo, value_bytes: Callable[[int], float], *,
+                 aliased: Iterable[int] = (),
+                 partial: Mapping[int, float] | None = None,
+                 reshards: Sequence[Reshard] = (),
+                 scatter_as_all_reduce: bool = False) -> list[tuple[int, int, float, str]]:
+    """(start, end, bytes per device, label) of every temporary buffer of one layout
+    (arguments and outputs excluded); arguments as in `estimate`."""
+    aliased = set(aliased)
+    partial = dict(partial or {})
+    events: list[tuple[int, int, float, str]] = []
+    reduced_at = {}
+    for vid, s0, t_reduce, nbytes in combined_partials(info, partial):
+        events.append((s0, t_reduce + 1, nbytes, f"partial v{vid}"))
+        reduced_at[vid] = t_reduce
+    sliced: dict[int, set[int]] = {}
+    for r in reshards:
+        if r.slice:
+            sliced.setdefault(r.value, set()).add(r.eqn)
+    end_of = {}
+    for vid, eqns in sliced.items():
+        if info.is_output[vid] or graph.values[vid].producer is None:
+            continue
+        rest = [t for e, t in info.readers[vid] if e not in eqns]
+        end_of[vid] = max(rest, default=int(info.start[vid])) + 1
+    ends = _shared_ends(graph, info, value_bytes, aliased, end_of)
+    for v in graph.values:
+        vid = v.id
+        if v.producer is None or info.is_output[vid] or not info.materialized[vid]:
+            continue
+        s, e = reduced_at.get(vid, int(info.start[vid])), ends.get(vid, int(info.end[vid]))
+        nbytes = value_bytes(vid)
+        if scatter_as_all_reduce and vid in partial:
+            nbytes = max(nbytes, partial[vid])  # the slice reads the all-reduced buffer
+        events.append((s, max(e, s + 1), nbytes, f"v{vid} {v.shape}"))
+    # One copy per (value, layout), shared by its readers (XLA's CSE): a gathering copy is
+    # made before the first of them, a slice right after the value.
+    copies: dict[tuple[int, object], list] = {}
+    for r in reshards:
+        if r.nbytes <= 0:
+            continue
+        key = (r.value, r.target)
+        start = int(info.start[r.value]) if r.slice else r.time
+        end = r.time + 1 if r.until is None else r.until
+        if key in copies:
+            c = copies[key]
+            c[0], c[1] = min(c[0], start), max(c[1], end)
+        else:
+            copies[key] = [start, end, r.nbytes]
+    for (vid, _), (s, e, nbytes) in copies.items():
+        events.append((s, e, nbytes, f"reshard v{vid}"))
+    return events
+
+
+def _shared_ends(graph: Graph, info: BufferInfo, value_bytes: Callable[[int], float],
+                 aliased: set[int], end_of: dict[int, int]) -> dict[int, int]:
+    """Buffers a loop fusion overwrites in place: value → its shortened end.
+
+    When a fusion's result has the size of a buffer it reads for the last time, XLA's buffer
+    assignment gives the result that buffer (`CanShareOperandBufferWithUser`); the operand
+    then ends where the result starts instead of overlapping it for one step.
+    """
+    ends: dict[int, int] = dict(end_of)
+    taken: set[int] = set()
+    for out, reads in info.inplace.items():
+        if info.is_output[out] and out not in aliased:
+            continue
+        t = int(info.start[out])
+        size = value_bytes(out)
+        for u in reads:
+            if u in taken or ends.get(u, int(info.end[u])) != t + 1 or info.is_output[u]:
+                continue
+            if value_bytes(u) == size:
+                ends[u] = t
+                taken.add(u)
+                break
+    return ends
+
+
+def combined_partials(info: BufferInfo, partial: Mapping[int, float]
+                      ) -> list[tuple[int, int, int, float]]:
+    """(value, produced at, reduced at, bytes) of every unreduced partial-sum buffer.
+
+    An urgent reduction runs where its producer does.  The others are combined in
+    production order into buckets of up to `COMBINE_BYTES` (XLA's all-reduce combiner); a
+    bucket runs when its last member is produced, so each member's partial lives until then
+    and its reduced buffer exists from then on.
+    """
+    out: list[tuple[int, int, int, float]] = []
+    lazy = []
+    for vid, nbytes in partial.items():
+        s = int(info.start[vid])
+        if info.urgent[vid]:
+            out.append((vid, s, s, nbytes))
+        else:
+            lazy.append((s, vid, nbytes))
+    lazy.sort()
+    bucket: list[tuple[int, int, float]] = []
+    size = 0.0
+
+    def flush() -> None:
+        if bucket:
+            t = max(s for s, _, _ in bucket)
+            out.extend((vid, s, t, b) for s, vid, b in bucket)
+            bucket.clear()
+
+    for s, vid, nbytes in lazy:
+        if bucket and size + nbytes > COMBINE_BYTES:
+            flush()
+            size = 0.0
+        bucket.append((s, vid, nbytes))
+        size += nbytes
+    flush()
+    return out

@@ -1,0 +1,68 @@
+"""Memory budgets are honoured by the compiled program (issue 14).
+
+MLP 4 x 1024 (+ output layer), AdamW, batch 256, 8 CPU devices.  The smallest compiled need
+found by any method (ZeRO-3, DataParallel, the unconstrained ShardParallel plan) is measured
+with ``memory_analysis()`` (argument + output - alias + temp, with donation); budgets from
+1.05x that need upward must each get a plan whose compiled peak per device is within the
+budget, with no reshard that XLA performs by replicating the whole tensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.cost_model import compile_log
+
+from helpers import per_device_bytes
+from models import mlp_case
+
+MiB = 2**20
+TIME_LIMIT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    case = mlp_case(batch=256, hidden=1024, layers=4, optimizer="adamw")
+    state, batch = case.init()
+    return case, state, batch
+
+
+def _compiled(case, method, state, batch):
+    """(compiled need in bytes per device, plan, involuntary full rematerializations)."""
+    traced = autopar.parallelize(case.step, method=method).trace(state, batch)
+    compiled, log = compile_log.compile_logged(traced.lower())
+    return per_device_bytes(compiled), traced.plan, log.involuntary_rematerializations
+
+
+@pytest.fixture(scope="module")
+def needs(mlp):
+    """Compiled bytes per device of each method's plan (no budget)."""
+    case, state, batch = mlp
+    found = {name: _compiled(case, method, state, batch)[0] for name, method in [
+        ("zero3", autopar.Zero3Parallel(time_limit_s=TIME_LIMIT_S)),
+        ("data", autopar.DataParallel(time_limit_s=TIME_LIMIT_S)),
+        ("shard", autopar.ShardParallel(time_limit_s=TIME_LIMIT_S)),
+        ("shard-1d", autopar.ShardParallel(mesh_shape=(8,), time_limit_s=TIME_LIMIT_S)),
+    ]}
+    # DataParallel replicates AdamW's state (4 x 17 MiB): far above the others.
+    assert found["data"] > 3 * found["zero3"], found
+    return found
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (8,)], ids=["mesh-search", "1d"])
+@pytest.mark.parametrize("factor", [1.05, 1.25, 1.6])
+def test_budget_sweep_compiled_peak_within_budget(mlp, needs, factor, mesh_shape):
+    """Budgets from 1.05x the smallest need of ZeRO-3, DataParallel and the unconstrained
+    plan on the same devices (mesh search: any 8-device mesh; 1d: the (8,) mesh, where the
+    unconstrained plan does not fit the lowest budget and the search must trade time)."""
+    case, state, batch = mlp
+    unconstrained = needs["shard" if mesh_shape is None else "shard-1d"]
+    budget = factor * min(needs["zero3"], needs["data"], unconstrained)
+    method = autopar.ShardParallel(mesh_shape=mesh_shape, memory_budget_bytes=budget,
+                                   time_limit_s=TIME_LIMIT_S)
+    need, plan, remats = _compiled(case, method, state, batch)
+    assert plan.predicted.memory_bytes <= budget, plan.summary()
+    assert need <= budget, (f"budget {budget / MiB:.2f} MiB, compiled {need / MiB:.2f} MiB, "
+                            f"predicted {plan.predicted.memory_bytes / MiB:.2f} MiB")
+    assert remats == 0, plan.summary()
