@@ -22,9 +22,10 @@ from autopar.passes.solver import (
 )
 from autopar.passes.solver.reduce import reduce_problem
 
-IOPDDL = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "iopddl"
-EXAMPLE = IOPDDL / "example.json"
-BACKENDS = ["cbc"] + (["highs"] if importlib.util.find_spec("highspy") else [])
+DATA = pathlib.Path(__file__).resolve().parent / "data"
+EXAMPLE = DATA / "example.json"
+BACKENDS = (["cbc"] + (["highs"] if importlib.util.find_spec("highspy") else [])
+            + (["toulbar2"] if importlib.util.find_spec("pytoulbar2") else []))
 
 
 def random_problem(seed: int, limit: str = "none", forbid: float = 0.0) -> ShardingProblem:
@@ -104,9 +105,11 @@ def test_solve_matches_brute_force(backend, seed, limit, forbid):
     assert sol.status == "optimal"
     assert sol.cost == pytest.approx(want)
     assert sol.lower_bound == pytest.approx(want)
+    assert sol.stats["backend"] == backend
+    solver_key = "toulbar2_seconds" if backend == "toulbar2" else "ilp_seconds"
     for key in ("nodes_before", "nodes_after", "edges_before", "edges_after",
                 "strategies_before", "strategies_after", "backend", "reduce_seconds",
-                "heuristic_seconds", "ilp_seconds"):
+                "heuristic_seconds", solver_key):
         assert key in sol.stats
 
 
@@ -159,9 +162,10 @@ def test_reductions_preserve_optimum(seed):
     assert slow_evaluate(p, red.expand(arg)) == (pytest.approx(want), True)
 
 
-def test_fallback_is_feasible():
-    p = load_iopddl(IOPDDL / "asplos-2025-iopddl-G.json.gz")
-    sol = solve(p, time_limit_s=0.5)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fallback_is_feasible(backend):
+    p = load_iopddl(DATA / "asplos-2025-iopddl-G.json.gz")
+    sol = solve(p, time_limit_s=0.5, backend=backend)
     assert sol.status == "fallback"
     assert sol.feasible
     assert evaluate(p, sol.strategies) == (pytest.approx(sol.cost), True)

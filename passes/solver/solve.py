@@ -1,15 +1,18 @@
-"""solve(): exact reductions, then the heuristic (large-neighbourhood search with HiGHS
-sub-MIPs when highspy is installed), then the ILP when it fits the time, else a dual
-lower bound (bound.py) so that the answer's gap is known."""
+"""solve(): exact reductions, then the backend.
+
+toulbar2 (toulbar2.py): exact cost-function-network model with memory knapsacks on small
+and medium problems, penalty loop + toulbar2 LNS on large ones.  highs / cbc (PuLP, the
+reference formulation): the heuristic (large-neighbourhood search with HiGHS sub-MIPs
+when highspy is installed), then the ILP when it fits the time, else a dual lower bound
+(bound.py) so that the answer's gap is known."""
 
 from __future__ import annotations
 
-import importlib.util
 import time
-from typing import Literal
 
 import numpy as np
 
+from autopar.passes.solver.backend import DEFAULT_BACKEND, Backend, resolve_backend
 from autopar.passes.solver.bound import dual_bound
 from autopar.passes.solver.evaluate import evaluate
 from autopar.passes.solver.heuristic import heuristic
@@ -17,8 +20,6 @@ from autopar.passes.solver.ilp import SECONDS_PER_NONZERO, model_nonzeros, solve
 from autopar.passes.solver.problem import ShardingProblem, Solution
 from autopar.passes.solver.reduce import reduce_problem
 
-Backend = Literal["cbc", "highs", "auto"]
-_BACKENDS = ("cbc", "highs", "auto")
 # Fraction of the remaining time the heuristic gets before the ILP when the ILP fits.
 _HEURISTIC_SHARE = 0.1
 _HEURISTIC_MAX_S = 5.0
@@ -26,42 +27,40 @@ _HEURISTIC_MAX_S = 5.0
 _BOUND_SHARE = 0.12
 
 
-def _resolve_backend(backend: str) -> str:
-    if backend not in _BACKENDS:
-        raise ValueError(f"solve: backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "highs" if importlib.util.find_spec("highspy") is not None else "cbc"
-    if backend == "highs" and importlib.util.find_spec("highspy") is None:
-        raise ValueError("solve: backend='highs' needs the highspy package (pip install highspy)")
-    return backend
-
-
 def solve(
     problem: ShardingProblem,
     time_limit_s: float = 60.0,
-    backend: Backend = "cbc",
+    backend: Backend = DEFAULT_BACKEND,
     *,
     threads: int = 2,
     verbose: bool = False,
 ) -> Solution:
     """Chooses one strategy per node minimising cost under the usage limit.
 
-    Always returns a Solution: status "optimal" (proved by the ILP), "feasible" (ILP
-    incumbent, not proved) or "fallback" (the heuristic's answer; the ILP was skipped or
-    found nothing in time).  `feasible` is False only if no allowed choice was found.
-    The wall-clock limit covers everything (reductions, model building, solving).
-    Raises InfeasibleError if even the least-usage choice exceeds the usage limit.
+    backend: "auto" (toulbar2 when pytoulbar2 imports, else highs when highspy is
+    installed, else cbc), "toulbar2", "highs" or "cbc"; the one used is in
+    stats["backend"].  threads: solver processes/threads (toulbar2: worker processes).
+    Always returns a Solution: status "optimal" (proved), "feasible" (the exact solver's
+    answer, not proved) or "fallback" (the heuristic's answer; the exact solver was
+    skipped or found nothing better in time).  `feasible` is False only if no allowed
+    choice was found.  The wall-clock limit covers everything (reductions, model
+    building, solving).  Raises InfeasibleError if even the least-usage choice exceeds
+    the usage limit.
     """
     t0 = time.perf_counter()
     if not time_limit_s > 0:
         raise ValueError(f"solve: time_limit_s must be positive, got {time_limit_s=}")
-    backend = _resolve_backend(backend)
+    if threads < 1:
+        raise ValueError(f"solve: threads must be >= 1, got {threads=}")
+    backend = resolve_backend(backend)
     deadline = t0 + 0.91 * time_limit_s - 0.05  # contest: loading counts, finish by 0.95x
     stats: dict = {"backend": backend}
     red, rstats = reduce_problem(problem)
     stats.update(rstats)
     t_red = time.perf_counter()
     stats["reduce_seconds"] = t_red - t0
+    if backend == "toulbar2":
+        return _solve_toulbar2(problem, red, deadline, threads, verbose, stats, t0)
 
     nz = model_nonzeros(red) if red.num_nodes else 0
     stats["ilp_nonzeros"] = nz
@@ -116,4 +115,32 @@ def solve(
     return Solution(
         strategies=tuple(int(x) for x in best), cost=best_cost, lower_bound=lower,
         status=status, seconds=total, feasible=best_ok, stats=stats,
+    )
+
+
+def _solve_toulbar2(problem: ShardingProblem, red, deadline: float, threads: int,
+                    verbose: bool, stats: dict, t0: float, seed: int = 0) -> Solution:
+    from autopar.passes.solver.toulbar2 import solve_toulbar2  # noqa: PLC0415
+
+    if red.num_nodes:
+        s_red, lb, status, tstats = solve_toulbar2(red, deadline, seed, threads, verbose)
+        stats.update(tstats)
+    else:
+        s_red, lb, status = np.zeros(0, np.int64), 0.0, "optimal"
+        stats.update(heuristic_seconds=0.0, toulbar2_seconds=0.0, mode="solved by reduction")
+    best = red.expand(s_red)
+    cost, ok = evaluate(problem, best)
+    lower = None
+    if status == "optimal" and ok:
+        lower = cost
+    elif lb is not None:
+        lower = min(lb + red.offset, cost)
+    total = time.perf_counter() - t0
+    stats["total_seconds"] = total
+    if verbose:
+        print(f"solve {problem.name}: {status} cost={cost:.6g} feasible={ok} "
+              f"in {total:.1f}s; {stats}")
+    return Solution(
+        strategies=tuple(int(x) for x in best), cost=cost, lower_bound=lower,
+        status=status, seconds=total, feasible=ok, stats=stats,
     )

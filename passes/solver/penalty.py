@@ -1,0 +1,202 @@
+"""The memory limit as per-node penalties with adaptive weights, solved by toulbar2.
+
+Each memory node v pays w_v * du_v(i) for its strategy i (du: usage above the node's
+minimum), and toulbar2 solves the unconstrained pairwise problem.  A round solves L
+weight levels at once (one per worker, in parallel); level j of node v lies between the
+largest weight known to leave a checkpoint of v's live range over the limit (lo_v) and
+the smallest known to keep it under (hi_v), spread geometrically.  After the round each
+node narrows [lo_v, hi_v] from the levels' outcomes (nodes interact, so a bracket that
+proves wrong is widened again).  Every answer without an overflow is a feasible
+candidate; a local-search descent (heuristic.LocalSearch) polishes it.
+(1st place of the ASPLOS'25 IOPDDL contest: Staudt & Blacher, "Soft Constraints, Strong
+Solutions"; this is our own implementation of the idea.)
+
+What is deterministic: the weights of round r and the workers' seeds follow from the
+answers of rounds < r.  What is not: toulbar2 runs each level until a wall-clock slice
+ends, so its answers depend on the machine's speed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from autopar.passes.solver.cfn import build_model
+from autopar.passes.solver.heuristic import LocalSearch
+from autopar.passes.solver.pool import Request, WorkerPool
+from autopar.passes.solver.problem import INFINITE_COST
+from autopar.passes.solver.reduce import Reduced
+
+# A penalty worth this many times all the costs together is as good as infinite.
+_MAX_PENALTY_SPAN = 16.0
+
+
+class RangeMax:
+    """Maximum of a vector over index ranges [a, b) (sparse table, O(1) per query)."""
+
+    def __init__(self, x: np.ndarray) -> None:
+        self.levels = [np.asarray(x, np.float64)]
+        k = 1
+        while 2 * k <= len(x):
+            prev = self.levels[-1]
+            self.levels.append(np.maximum(prev[:-k], prev[k:]))
+            k *= 2
+
+    def query(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """max x[a_i:b_i] for each i (-inf where the range is empty)."""
+        ln = b - a
+        out = np.full(len(a), -np.inf)
+        ok = ln > 0
+        if not ok.any():
+            return out
+        lvl = np.zeros(len(a), np.int64)
+        lvl[ok] = np.floor(np.log2(ln[ok])).astype(np.int64)
+        for j in np.unique(lvl[ok]).tolist():
+            m = ok & (lvl == j)
+            t = self.levels[j]
+            out[m] = np.maximum(t[a[m]], t[b[m] - (1 << j)])
+        return out
+
+
+class Penalty:
+    """Per-node weight brackets and the penalized models of a reduced problem."""
+
+    def __init__(self, red: Reduced, w0: float, levels: int) -> None:
+        self.red = red
+        self.levels = levels
+        n = red.num_nodes
+        self.a = red.rng[:, 0].astype(np.int64)
+        self.b = red.rng[:, 1].astype(np.int64)
+        self.mem = (self.b > self.a) & np.array(
+            [d.max() > 0 for d in red.du] + [False])[:n]
+        self.lo = np.zeros(n)
+        self.hi = np.full(n, np.inf)
+        self.w0 = w0
+        self.broken_ever = np.zeros(n, bool)
+        self.sizes = np.array([c.size for c in red.costs], np.int64)
+        self.off = np.concatenate([[0], np.cumsum(self.sizes)])
+        self.du = np.concatenate(red.du) if n else np.zeros(0)
+        self.cost = np.concatenate(red.costs) if n else np.zeros(0)
+        self.node_of = np.repeat(np.arange(n), self.sizes)
+        base = build_model(list(red.costs), red.edges)
+        self.scale = base.cost_scale
+        self.edge_arrays = {k: base.arrays[k] for k in ("sizes", "edges", "costs")}
+        self.edge_offset = float(sum(
+            float(r[r < INFINITE_COST].min()) for _u, _v, r in red.edges
+            if (r < INFINITE_COST).any()))
+        span = sum(float(np.ptp(c[c < INFINITE_COST])) for c in red.costs
+                   if (c < INFINITE_COST).any())
+        span += float(sum(float(np.ptp(r[r < INFINITE_COST])) for _u, _v, r in red.edges
+                          if (r < INFINITE_COST).any()))
+        dmax = np.array([d.max() for d in red.du] + [0.0])[:n]
+        self.w_cap = _MAX_PENALTY_SPAN * max(span, 1.0) / max(float(dmax.sum()), 1e-300)
+
+    def weights(self, j: int) -> np.ndarray:
+        """Per-node weights of level j (0 for nodes that never matter for memory)."""
+        lv = self.levels
+        frac = (j + 1) / (lv + 1)
+        lo, hi = self.lo, self.hi
+        w = np.empty(len(lo))
+        both = (lo > 0) & np.isfinite(hi)
+        w[both] = lo[both] * (hi[both] / lo[both]) ** frac
+        up = (lo > 0) & ~np.isfinite(hi)
+        w[up] = lo[up] * 4.0 ** (j + 1)
+        down = (lo <= 0) & np.isfinite(hi)
+        w[down] = hi[down] / 4.0 ** (lv - j)
+        none = (lo <= 0) & ~np.isfinite(hi)
+        w[none] = self.w0 * 4.0 ** (j - (lv - 1) / 2)
+        return np.where(self.mem, np.minimum(w, self.w_cap), 0.0)
+
+    def unary(self, w: np.ndarray) -> tuple[np.ndarray, float]:
+        """Scaled penalized unary costs (flat, +inf forbidden) and their offset."""
+        u = self.cost + w[self.node_of] * self.du
+        fin = self.cost < INFINITE_COST
+        um = np.where(fin, u, np.inf)
+        mins = np.minimum.reduceat(um, self.off[:-1]) if len(um) else np.zeros(0)
+        mins = np.where(np.isfinite(mins), mins, 0.0)
+        shifted = np.where(fin, np.round((u - mins[self.node_of]) * self.scale), np.inf)
+        return shifted, float(mins.sum()) + self.edge_offset
+
+    def node_overflow(self, over: np.ndarray) -> np.ndarray:
+        """Per node: whether a checkpoint of its live range is over the limit."""
+        rm = RangeMax(over)
+        return self.mem & (rm.query(self.a, self.b) > 0)
+
+    def update(self, ws: list[np.ndarray], broken: list[np.ndarray | None]) -> None:
+        """Narrows each node's bracket from one round's outcomes.
+
+        lo_v becomes the largest weight whose answer overflowed at v, hi_v the smallest
+        weight above it whose answer did not.  A round where v never overflowed lowers
+        lo_v (by 1000x while v has never overflowed, else 1.5x); one where no weight
+        above lo_v was enough raises hi_v by 1.35x.
+        """
+        done = [(w, br) for w, br in zip(ws, broken) if br is not None]
+        if not done:
+            return
+        w = np.stack([d[0] for d in done])
+        br = np.stack([d[1] for d in done])
+        any_br = br.any(axis=0)
+        lo_round = np.where(br, w, -np.inf).max(axis=0)
+        hi_round = np.where(~br & (w > lo_round[None, :]), w, np.inf).min(axis=0)
+        self.broken_ever |= any_br
+        lo = np.where(any_br, lo_round, self.lo / np.where(self.broken_ever, 1.5, 1000.0))
+        hi = np.where(np.isfinite(hi_round), hi_round,
+                      np.maximum(self.hi, lo) * 1.35)
+        self.lo = np.where(self.mem, lo, 0.0)
+        self.hi = np.where(self.mem, np.maximum(hi, self.lo), np.inf)
+
+
+def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: float,
+                   w0: float, solve_s: float, seed: int = 0, levels: int | None = None,
+                   log: list | None = None) -> tuple[np.ndarray | None, float, dict]:
+    """Rounds of penalized toulbar2 solves until `deadline` (time.perf_counter()).
+
+    `ls` is used as scratch state.  Returns the best feasible reduced-problem choice
+    found (or None), its cost, and counters.
+    """
+    levels = levels or pool.size
+    pen = Penalty(red, w0, levels)
+    best, best_cost = None, np.inf
+    warm: list[np.ndarray | None] = [None] * levels
+    rounds = solves = feasible = 0
+    base_key = f"penalty-{id(pen)}"
+    while time.perf_counter() < deadline - 0.5:
+        ws = [pen.weights(j) for j in range(levels)]
+        reqs = []
+        for j, w in enumerate(ws):
+            unary, _ = pen.unary(w)
+            arrays = {"unary": unary}
+            if warm[j] is not None:
+                arrays["best"] = warm[j]
+            left = deadline - time.perf_counter()
+            meta = {"time_limit_s": int(max(1, 2 * min(solve_s, left))),
+                    "lds": 4, "seed": seed + 1}
+            reqs.append(Request(arrays, meta, base=base_key, base_arrays=pen.edge_arrays))
+        stop = min(deadline, time.perf_counter() + solve_s)
+        answers = pool.run(reqs, stop)
+        rounds += 1
+        broken: list[np.ndarray | None] = []
+        for j, ans in enumerate(answers):
+            if ans is None or "values" not in ans.arrays:
+                broken.append(None)
+                continue
+            solves += 1
+            x = ans.arrays["values"]
+            warm[j] = x
+            ls.reset(x)
+            over = ls.use - ls.cap
+            br = pen.node_overflow(over)
+            broken.append(br)
+            ok = not br.any() and ls.nforb == 0 and bool(np.all(over <= 1e-9))
+            if log is not None:
+                log.append((time.perf_counter(), j, ls.cost, ok, float(over.max())))
+            if ok:
+                feasible += 1
+                if ls.cost < best_cost * (1 + 1e-3):
+                    ls.full_descent(deadline)
+                if ls.cost < best_cost:
+                    best, best_cost = np.array(ls.s, np.int64), float(ls.cost)
+        pen.update(ws, broken)
+    return best, best_cost, {"penalty_rounds": rounds, "penalty_solves": solves,
+                             "penalty_feasible": feasible}

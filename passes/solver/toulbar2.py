@@ -1,0 +1,158 @@
+"""The toulbar2 backend: exact on small and medium problems, penalties + LNS on large ones.
+
+On a reduced problem (reduce.py: forbidden and dominated strategies, separable edges,
+leaves and chains already gone):
+  1. a quick local-search answer (heuristic.py): the fallback, the warm start, the bound
+     to beat;
+  2a. small/medium problems (EXACT_MAX_*): one cost function network with a knapsack per
+     non-dominated live set (cfn.reduced_model), solved by toulbar2 on every worker at
+     once with different seeds and search settings; the first proof of optimality stops
+     the others;
+  2b. large problems: the penalty loop (penalty.py) for most of the time, then
+     large-neighbourhood search with toulbar2 sub-solves (tb2_lns.py) on the best answer.
+Every toulbar2 solve runs in a worker process (pool.py) under a wall-clock guard.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from autopar.passes.solver.cfn import live_set_constraints, reduced_model
+from autopar.passes.solver.heuristic import LocalSearch, heuristic
+from autopar.passes.solver.penalty import penalty_search
+from autopar.passes.solver.pool import Answer, Request, WorkerPool
+from autopar.passes.solver.reduce import Reduced
+from autopar.passes.solver.tb2_lns import tb2_lns
+
+# The exact model is tried when the reduced problem is at most this large.
+EXACT_MAX_NODES = 3000
+EXACT_MAX_STRATEGIES = 60_000
+EXACT_MAX_CONSTRAINTS = 3000
+# Large problems: share of the time after the first answer left to the final LNS.
+LNS_SHARE = 0.25
+# The local-search answer only needs to exist (toulbar2 improves on it at once).
+_HEURISTIC_SHARE = 0.02
+_HEURISTIC_MAX_S = 1.0
+_MIN_TOULBAR2_S = 0.5  # below this, the local-search answer is returned as it is
+
+
+def _is_optimal(ans: Answer) -> bool:
+    return ans.meta.get("status") == "optimal"
+
+
+def exact_fits(red: Reduced) -> bool:
+    """Whether the exact knapsack model is worth trying on `red`."""
+    return (red.num_nodes <= EXACT_MAX_NODES
+            and red.num_strategies() <= EXACT_MAX_STRATEGIES
+            and len(live_set_constraints(red)) <= EXACT_MAX_CONSTRAINTS)
+
+
+def solve_exact(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: float,
+                seed: int, incumbent_ok: bool) -> tuple[np.ndarray | None, float | None,
+                                                         bool, dict]:
+    """toulbar2 on the exact model; returns (choice, lower bound, proved optimal, stats).
+
+    ls holds the incumbent (the warm start; with incumbent_ok, also the upper bound).
+    The bound and cost are of the reduced problem (offset excluded).  Worker i runs seed
+    seed + i; odd workers start with limited-discrepancy dives (a different search).
+    """
+    model = reduced_model(red, memory=True, best=np.array(ls.s, np.int64))
+    # The incumbent itself stays acceptable (toulbar2's bound is exclusive).
+    ub = model.units(ls.cost) + 1.0 if incumbent_ok else None
+    reqs = []
+    for i in range(pool.size):
+        left = deadline - time.perf_counter()
+        meta = {"ub": ub, "seed": seed + i, "lds": 4 if i % 2 else 0,
+                "time_limit_s": int(max(1, 2 * left))}
+        reqs.append(Request(model.arrays, meta))
+    answers = pool.run(reqs, deadline, stop_when=_is_optimal)
+    best, best_cost, optimal, lower = None, np.inf, False, None
+    for ans in answers:
+        if ans is None:
+            continue
+        lb = ans.meta.get("lower_bound")
+        if lb is not None:
+            lb = model.real(lb)
+            lower = lb if lower is None else max(lower, lb)
+        if "values" not in ans.arrays:
+            continue
+        x = ans.arrays["values"]
+        ls.reset(x)
+        ok = ls.nforb == 0 and bool(np.all(ls.use <= ls.cap))
+        if ok and ls.cost < best_cost:
+            best, best_cost = x, float(ls.cost)
+            optimal = _is_optimal(ans)
+        elif ok and ls.cost == best_cost:
+            optimal |= _is_optimal(ans)
+    stats = {"exact_answers": [None if a is None else a.meta.get("status") for a in answers],
+             "exact_constraints": int(len(model.arrays.get("kn_cap", [])))}
+    if best is not None and lower is not None:
+        lower = min(lower, best_cost)
+    return best, lower, optimal, stats
+
+
+def solve_toulbar2(red: Reduced, deadline: float, seed: int = 0, threads: int = 2,
+                   verbose: bool = False) -> tuple[np.ndarray, float | None, str, dict]:
+    """Best reduced-problem choice found by `deadline` (time.perf_counter()).
+
+    Returns (choice, lower bound of the reduced problem or None, status, stats); status
+    is "optimal" (proved by toulbar2), "feasible" (an answer from toulbar2) or
+    "fallback" (the local-search answer: toulbar2 found nothing better).
+    """
+    t0 = time.perf_counter()
+    stats: dict = {"threads": threads}
+    with WorkerPool(threads) as pool:
+        if deadline - t0 > _MIN_TOULBAR2_S:
+            pool.warm_up()  # worker start-up overlaps the local search
+        h_deadline = t0 + min(_HEURISTIC_MAX_S, _HEURISTIC_SHARE * (deadline - t0))
+        s_h, hstats = heuristic(red, h_deadline, seed=seed, max_stall=200, use_lns=False)
+        stats["heuristic"] = hstats
+        stats["heuristic_seconds"] = time.perf_counter() - t0
+        ls = LocalSearch(red, seed)
+        ls.reset(s_h)
+        feasible_h = ls.nforb == 0 and bool(np.all(ls.use <= ls.cap))
+        best = np.array(s_h, np.int64)
+        best_cost = float(ls.cost) if feasible_h else np.inf
+        status, lower = "fallback", None
+        t1 = time.perf_counter()
+        if deadline - t1 < _MIN_TOULBAR2_S:
+            stats["mode"] = "local search only (no time left for toulbar2)"
+        elif exact_fits(red):
+            stats["mode"] = "exact"
+            x, lower, optimal, estats = solve_exact(red, ls, pool, deadline, seed, feasible_h)
+            stats.update(estats)
+            if x is not None:
+                ls.reset(x)
+                if ls.cost <= best_cost:
+                    best, best_cost = x, float(ls.cost)
+                    status = "optimal" if optimal else "feasible"
+        else:
+            stats["mode"] = "penalty+lns"
+            lns_start = deadline - LNS_SHARE * (deadline - t1)
+            w0 = _initial_weight(red, best_cost if np.isfinite(best_cost) else None)
+            solve_s = float(np.clip((lns_start - t1) / 8.0, 4.0, 20.0))
+            x, cost, pstats = penalty_search(red, ls, pool, lns_start, w0, solve_s, seed)
+            stats.update(pstats)
+            if x is not None and cost < best_cost:
+                best, best_cost, status = x, cost, "feasible"
+            stats["penalty_cost"] = cost
+            if np.isfinite(best_cost):
+                ls.reset(best)
+                lstats = tb2_lns(ls, pool, deadline, seed=seed)
+                stats.update(lstats)
+                if ls.cost < best_cost:
+                    best, best_cost, status = np.array(ls.s, np.int64), float(ls.cost), "feasible"
+        stats["workers_killed"] = pool.killed
+    stats["toulbar2_seconds"] = time.perf_counter() - t0
+    return best, lower, status, stats
+
+
+def _initial_weight(red: Reduced, ub: float | None) -> float:
+    """A first penalty weight (cost per unit of usage): a feasible answer's cost spread
+    over the tightest capacity, so that using all of it costs about as much as the answer."""
+    cap = float(np.max(red.cap)) if len(red.cap) else 0.0
+    if ub is None or cap <= 0 or ub <= 0:
+        return 1.0
+    return ub / cap
