@@ -19,6 +19,7 @@ ends, so its answers depend on the machine's speed.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -82,6 +83,9 @@ class Penalty:
         base = build_model(list(red.costs), red.edges)
         self.scale = base.cost_scale
         self.edge_arrays = {k: base.arrays[k] for k in ("sizes", "edges", "costs")}
+        e = self.edge_arrays["edges"]
+        self.eoff = np.concatenate(
+            [[0], np.cumsum(self.sizes[e[:, 0]] * self.sizes[e[:, 1]])]).astype(np.int64)
         self.edge_offset = float(sum(
             float(r[r < INFINITE_COST].min()) for _u, _v, r in red.edges
             if (r < INFINITE_COST).any()))
@@ -118,6 +122,15 @@ class Penalty:
         shifted = np.where(fin, np.round((u - mins[self.node_of]) * self.scale), np.inf)
         return shifted, float(mins.sum()) + self.edge_offset
 
+    def model_cost(self, unary: np.ndarray, x: np.ndarray) -> float:
+        """Cost in model units of choice x under the scaled `unary` (edges included)."""
+        c = float(unary[self.off[:-1] + x].sum())
+        e = self.edge_arrays["edges"]
+        if len(e):
+            c += float(self.edge_arrays["costs"][self.eoff[:-1] + x[e[:, 0]] * self.sizes[e[:, 1]]
+                                                 + x[e[:, 1]]].sum())
+        return c
+
     def node_overflow(self, over: np.ndarray) -> np.ndarray:
         """Per node: whether a checkpoint of its live range is over the limit."""
         rm = RangeMax(over)
@@ -149,41 +162,67 @@ class Penalty:
 
 def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: float,
                    w0: float, solve_s: float, seed: int = 0, levels: int | None = None,
-                   log: list | None = None) -> tuple[np.ndarray | None, float, dict]:
-    """Rounds of penalized toulbar2 solves until `deadline` (time.perf_counter()).
+                   log: list | None = None, hard_deadline: float | None = None,
+                   on_first_round: Callable[[float], None] | None = None,
+                   ) -> tuple[np.ndarray | None, float, dict]:
+    """Rounds of penalized toulbar2 solves until `deadline` (time.perf_counter()), or
+    until `hard_deadline` while no feasible answer has been found.
 
+    Each round lasts at most `solve_s` seconds (toulbar2 is interrupted then); a round
+    in which some level found nothing at all makes the next one 1.5x longer.  Each level
+    starts from the better (under its weights) of its previous answer and the best
+    feasible answer, with that answer's penalized cost as toulbar2's upper bound.
+    `on_first_round(stop)` runs in this process while the workers solve the first round.
     `ls` is used as scratch state.  Returns the best feasible reduced-problem choice
     found (or None), its cost, and counters.
     """
+    hard_deadline = deadline if hard_deadline is None else max(deadline, hard_deadline)
     levels = levels or pool.size
     pen = Penalty(red, w0, levels)
     best, best_cost = None, np.inf
-    warm: list[np.ndarray | None] = [None] * levels
+    prev: list[np.ndarray | None] = [None] * levels
     rounds = solves = feasible = 0
     base_key = f"penalty-{id(pen)}"
-    while time.perf_counter() < deadline - 0.5:
+    while time.perf_counter() < (deadline if best is not None else hard_deadline) - 0.5:
+        end = deadline if best is not None else hard_deadline
         ws = [pen.weights(j) for j in range(levels)]
-        reqs = []
+        reqs, warm = [], []
         for j, w in enumerate(ws):
             unary, _ = pen.unary(w)
             arrays = {"unary": unary}
-            if warm[j] is not None:
-                arrays["best"] = warm[j]
-            left = deadline - time.perf_counter()
-            meta = {"time_limit_s": int(max(1, 2 * min(solve_s, left))),
+            starts = [x for x in (prev[j], best) if x is not None]
+            meta = {"time_limit_s": int(max(1, 2 * min(solve_s, end - time.perf_counter()))),
                     "lds": 4, "seed": seed + 1}
+            x0 = None
+            if starts:
+                costs = [pen.model_cost(unary, x) for x in starts]
+                x0 = starts[int(np.argmin(costs))]
+                arrays["best"] = x0
+                if np.isfinite(min(costs)):
+                    meta["ub"] = float(min(costs)) + 1.0
+            warm.append(x0)
             reqs.append(Request(arrays, meta, base=base_key, base_arrays=pen.edge_arrays))
-        stop = min(deadline, time.perf_counter() + solve_s)
-        answers = pool.run(reqs, stop)
+        stop = min(end, time.perf_counter() + solve_s)
+        batch = pool.start(reqs)
+        if rounds == 0 and on_first_round is not None:
+            on_first_round(stop)
+        answers = pool.wait(batch, stop)
         rounds += 1
+        xs = []
+        for ans, x0 in zip(answers, warm):
+            if ans is not None and "values" in ans.arrays:
+                xs.append(ans.arrays["values"])
+            else:
+                xs.append(x0)  # nothing below the bound (or no time): the start stands
+        if any(x is None for x in xs):
+            solve_s *= 1.5
         broken: list[np.ndarray | None] = []
-        for j, ans in enumerate(answers):
-            if ans is None or "values" not in ans.arrays:
+        for j, x in enumerate(xs):
+            if x is None:
                 broken.append(None)
                 continue
             solves += 1
-            x = ans.arrays["values"]
-            warm[j] = x
+            prev[j] = x
             ls.reset(x)
             over = ls.use - ls.cap
             br = pen.node_overflow(over)

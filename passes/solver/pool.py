@@ -127,47 +127,51 @@ class WorkerPool:
         optimum is proved), the other requests are interrupted at once (their answers
         are their best so far).
         """
-        answers: list[Answer | None] = [None] * len(requests)
-        queues = [list(range(i, len(requests), self.size)) for i in range(self.size)]
-        busy: dict[int, int] = {}  # worker index -> request index
+        return self.wait(self.start(requests), deadline, stop_when)
 
-        def start(wi: int) -> None:
-            if not queues[wi]:
-                return
-            ri = queues[wi].pop(0)
-            req = requests[ri]
+    def start(self, requests: list[Request]) -> _Batch:
+        """Sends `requests` to the workers and returns at once (see `wait`)."""
+        batch = _Batch(requests, self.size)
+        for wi in range(self.size):
+            self._dispatch(batch, wi)
+        return batch
+
+    def _dispatch(self, batch: _Batch, wi: int) -> None:
+        while batch.queues[wi]:
+            ri = batch.queues[wi].pop(0)
+            req = batch.requests[ri]
             w = self._worker(wi)
             try:
                 if req.base is not None and w.cached != req.base:
-                    meta = {"cache": req.base, "load_only": True}
-                    w.send(req.base_arrays, meta)
+                    w.send(req.base_arrays, {"cache": req.base, "load_only": True})
                     if w.receive() is None:
                         raise OSError("worker died while loading")
                     w.cached = req.base
-                meta = dict(req.meta, base=req.base)
-                w.send(req.arrays, meta)
-                busy[wi] = ri
+                w.send(req.arrays, dict(req.meta, base=req.base))
+                batch.busy[wi] = ri
+                return
             except OSError:
                 w.kill()
                 self.workers[wi] = None
-                start(wi)
 
-        for wi in range(self.size):
-            start(wi)
+    def wait(self, batch: _Batch, deadline: float,
+             stop_when: Callable[[Answer], bool] | None = None) -> list[Answer | None]:
+        """Collects a started batch's answers (see `run`)."""
+        busy, answers = batch.busy, batch.answers
         last_signal = 0.0
         stop_now = False
         while busy:
             now = time.perf_counter()
+            if stop_now and deadline > now:
+                deadline = now
             if now >= deadline + self.grace_s:
                 for wi in list(busy):
                     self.workers[wi].kill()
                     self.workers[wi] = None
                     self.killed += 1
                     del busy[wi]
-                    queues[wi].clear()
+                    batch.queues[wi].clear()
                 break
-            if stop_now and deadline > now:
-                deadline = now
             if now >= deadline and now - last_signal >= _SIGNAL_EVERY_S:
                 for wi in busy:
                     self.workers[wi].interrupt()
@@ -188,7 +192,17 @@ class WorkerPool:
                     answers[ri] = ans
                     if stop_when is not None and stop_when(ans):
                         stop_now = True
-                        for q in queues:
+                        for q in batch.queues:
                             q.clear()
-                start(wi)
+                self._dispatch(batch, wi)
         return answers
+
+
+class _Batch:
+    """Requests in flight: per-worker queues, the busy workers, the answers so far."""
+
+    def __init__(self, requests: list[Request], size: int) -> None:
+        self.requests = requests
+        self.queues = [list(range(i, len(requests), size)) for i in range(size)]
+        self.busy: dict[int, int] = {}  # worker index -> request index
+        self.answers: list[Answer | None] = [None] * len(requests)

@@ -162,7 +162,9 @@ def solve_model(model: dict, meta: dict) -> tuple[dict, dict]:
 
     meta of the answer: status "optimal" | "feasible" | "none" (nothing below ub found,
     or limit hit first) | "infeasible" (proved: nothing below ub) | "error"; cost and
-    lower_bound in the model's integer units; seconds of wall clock.
+    lower_bound in the model's integer units; seconds of wall clock.  A search that hit
+    no limit (toulbar2's option `limited` stays false) proves its answer optimal, even
+    where toulbar2's reported dual bound lags behind.
     """
     import pytoulbar2
 
@@ -177,6 +179,7 @@ def solve_model(model: dict, meta: dict) -> tuple[dict, dict]:
         cfn.CFN.timerStop()  # clears a stale interrupt flag
         res = cfn.Solve(timeLimit=max(1, int(meta.get("time_limit_s", 0) or 0)))
         lb = float(cfn.GetDDualBound())
+        complete = not bool(tb2.option.limited)  # no time, backtrack or LDS limit hit
     except (tb2.Contradiction, RuntimeError, ValueError) as exc:
         if isinstance(exc, tb2.Contradiction):
             out["status"] = "infeasible"
@@ -188,12 +191,15 @@ def solve_model(model: dict, meta: dict) -> tuple[dict, dict]:
     if res is not None:
         arrays["values"] = np.asarray(res[0], np.int64)
         cost = float(res[1])
-        out.update(cost=cost, lower_bound=min(lb, cost),
-                   status="optimal" if lb >= cost - 0.5 else "feasible")
+        optimal = complete or lb >= cost - 0.5
+        out.update(cost=cost, lower_bound=cost if optimal else min(lb, cost),
+                   status="optimal" if optimal else "feasible")
     else:
         out["lower_bound"] = lb
-        if ub is not None and lb >= float(ub) - 0.5:
+        if complete or (ub is not None and lb >= float(ub) - 0.5):
             out["status"] = "infeasible"
+            if ub is not None:
+                out["lower_bound"] = float(ub)
     out["seconds"] = time.perf_counter() - t0
     return arrays, out
 

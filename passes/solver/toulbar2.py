@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from autopar.passes.solver.cfn import live_set_constraints, reduced_model
-from autopar.passes.solver.heuristic import LocalSearch, heuristic
+from autopar.passes.solver.heuristic import LocalSearch, heuristic, initial_strategies
 from autopar.passes.solver.penalty import penalty_search
 from autopar.passes.solver.pool import Answer, Request, WorkerPool
 from autopar.passes.solver.reduce import Reduced
@@ -103,56 +103,70 @@ def solve_toulbar2(red: Reduced, deadline: float, seed: int = 0, threads: int = 
     """
     t0 = time.perf_counter()
     stats: dict = {"threads": threads}
+    ls = LocalSearch(red, seed)
+    local: dict = {}
+
+    def local_search(stop: float) -> None:
+        t = time.perf_counter()
+        local["s"], local["stats"] = heuristic(red, stop, seed=seed, max_stall=200,
+                                               use_lns=False)
+        stats["heuristic_seconds"] = time.perf_counter() - t
+
     with WorkerPool(threads) as pool:
+        large = not exact_fits(red)
         if deadline - t0 > _MIN_TOULBAR2_S:
             pool.warm_up()  # worker start-up overlaps the local search
-        h_deadline = t0 + min(_HEURISTIC_MAX_S, _HEURISTIC_SHARE * (deadline - t0))
-        s_h, hstats = heuristic(red, h_deadline, seed=seed, max_stall=200, use_lns=False)
-        stats["heuristic"] = hstats
-        stats["heuristic_seconds"] = time.perf_counter() - t0
-        ls = LocalSearch(red, seed)
-        ls.reset(s_h)
-        feasible_h = ls.nforb == 0 and bool(np.all(ls.use <= ls.cap))
-        best = np.array(s_h, np.int64)
-        best_cost = float(ls.cost) if feasible_h else np.inf
-        status, lower = "fallback", None
+        if not large or deadline - t0 <= _MIN_TOULBAR2_S:
+            local_search(t0 + min(_HEURISTIC_MAX_S, _HEURISTIC_SHARE * (deadline - t0)))
+        best, best_cost, status, lower = None, np.inf, "fallback", None
         t1 = time.perf_counter()
         if deadline - t1 < _MIN_TOULBAR2_S:
             stats["mode"] = "local search only (no time left for toulbar2)"
-        elif exact_fits(red):
+        elif not large:
             stats["mode"] = "exact"
+            ls.reset(local["s"])
+            feasible_h = ls.nforb == 0 and bool(np.all(ls.use <= ls.cap))
             x, lower, optimal, estats = solve_exact(red, ls, pool, deadline, seed, feasible_h)
             stats.update(estats)
             if x is not None:
-                ls.reset(x)
-                if ls.cost <= best_cost:
-                    best, best_cost = x, float(ls.cost)
-                    status = "optimal" if optimal else "feasible"
+                best, status = x, "optimal" if optimal else "feasible"
         else:
             stats["mode"] = "penalty+lns"
             lns_start = deadline - LNS_SHARE * (deadline - t1)
-            w0 = _initial_weight(red, best_cost if np.isfinite(best_cost) else None)
-            solve_s = float(np.clip((lns_start - t1) / 8.0, 4.0, 20.0))
-            x, cost, pstats = penalty_search(red, ls, pool, lns_start, w0, solve_s, seed)
-            stats.update(pstats)
-            if x is not None and cost < best_cost:
-                best, best_cost, status = x, cost, "feasible"
-            stats["penalty_cost"] = cost
-            if np.isfinite(best_cost):
+            ls.reset(initial_strategies(red))
+            w0 = _initial_weight(red, float(ls.cost))
+            solve_s = float(np.clip((lns_start - t1) / 4.0, 8.0, 30.0))
+            x, cost, pstats = penalty_search(red, ls, pool, lns_start, w0, solve_s, seed,
+                                             hard_deadline=deadline,
+                                             on_first_round=local_search)
+            stats.update(pstats, penalty_cost=cost, initial_weight=w0)
+            if x is not None:
+                best, status = x, "feasible"
                 ls.reset(best)
                 lstats = tb2_lns(ls, pool, deadline, seed=seed)
                 stats.update(lstats)
-                if ls.cost < best_cost:
-                    best, best_cost, status = np.array(ls.s, np.int64), float(ls.cost), "feasible"
+                best = np.array(ls.s, np.int64)
         stats["workers_killed"] = pool.killed
+    # The local-search answer when toulbar2 has nothing better (or nothing feasible).
+    if best is None and "s" not in local:
+        local_search(time.perf_counter())  # one full descent pass, however late
+    if best is not None:
+        ls.reset(best)
+        best_cost = float(ls.cost) if ls.nforb == 0 and np.all(ls.use <= ls.cap) else np.inf
+    if "s" in local:
+        stats["heuristic"] = local["stats"]
+        ls.reset(local["s"])
+        ok = ls.nforb == 0 and bool(np.all(ls.use <= ls.cap))
+        if best is None or (ok and ls.cost < best_cost):
+            best, status = np.array(local["s"], np.int64), "fallback"
     stats["toulbar2_seconds"] = time.perf_counter() - t0
     return best, lower, status, stats
 
 
-def _initial_weight(red: Reduced, ub: float | None) -> float:
-    """A first penalty weight (cost per unit of usage): a feasible answer's cost spread
-    over the tightest capacity, so that using all of it costs about as much as the answer."""
+def _initial_weight(red: Reduced, cost: float) -> float:
+    """A first penalty weight (cost per unit of usage): the least-usage choice's cost
+    (a rough scale of the answer's) spread over 4x the largest capacity."""
     cap = float(np.max(red.cap)) if len(red.cap) else 0.0
-    if ub is None or cap <= 0 or ub <= 0:
+    if cap <= 0 or not cost > 0:
         return 1.0
-    return ub / cap
+    return cost / (4.0 * cap)
