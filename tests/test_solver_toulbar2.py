@@ -188,3 +188,16 @@ def test_same_answer_twice():
     b = solve(p, time_limit_s=20.0, backend="toulbar2")
     assert a.strategies == b.strategies and a.status == b.status == "optimal"
     assert slow_peak(p, a.strategies) <= p.usage_limit
+
+
+@pytest.mark.parametrize("seed", [1, 4, 7])
+def test_lagrangian_bound_is_valid(seed):
+    from autopar.passes.solver.lagrange import lagrangian_bound
+
+    p = random_problem(seed, "tight")
+    want = brute_force(p)
+    if want is None:
+        return
+    lb, stats = lagrangian_bound(p, time_limit_s=2.5, upper_bound=want)
+    assert lb is not None and lb <= want + 1e-6 * max(1.0, abs(want))
+    assert lb >= stats.get("lp_bound", -np.inf) - 1e-6 * max(1.0, abs(want))

@@ -63,7 +63,7 @@ class RangeMax:
 class Penalty:
     """Per-node weight brackets and the penalized models of a reduced problem."""
 
-    def __init__(self, red: Reduced, w0: float, levels: int) -> None:
+    def __init__(self, red: Reduced, w0: float | np.ndarray, levels: int) -> None:
         self.red = red
         self.levels = levels
         n = red.num_nodes
@@ -73,7 +73,7 @@ class Penalty:
             [d.max() > 0 for d in red.du] + [False])[:n]
         self.lo = np.zeros(n)
         self.hi = np.full(n, np.inf)
-        self.w0 = w0
+        self.w0 = np.broadcast_to(np.asarray(w0, np.float64), (n,))
         self.broken_ever = np.zeros(n, bool)
         self.sizes = np.array([c.size for c in red.costs], np.int64)
         self.off = np.concatenate([[0], np.cumsum(self.sizes)])
@@ -93,6 +93,8 @@ class Penalty:
                    if (c < INFINITE_COST).any())
         span += float(sum(float(np.ptp(r[r < INFINITE_COST])) for _u, _v, r in red.edges
                           if (r < INFINITE_COST).any()))
+        self._unary0: np.ndarray | None = None
+        self._offset0 = 0.0
         dmax = np.array([d.max() for d in red.du] + [0.0])[:n]
         self.w_cap = _MAX_PENALTY_SPAN * max(span, 1.0) / max(float(dmax.sum()), 1e-300)
 
@@ -109,7 +111,7 @@ class Penalty:
         down = (lo <= 0) & np.isfinite(hi)
         w[down] = hi[down] / 4.0 ** (lv - j)
         none = (lo <= 0) & ~np.isfinite(hi)
-        w[none] = self.w0 * 4.0 ** (j - (lv - 1) / 2)
+        w[none] = self.w0[none] * 4.0 ** (j - (lv - 1) / 2)
         return np.where(self.mem, np.minimum(w, self.w_cap), 0.0)
 
     def unary(self, w: np.ndarray) -> tuple[np.ndarray, float]:
@@ -130,6 +132,24 @@ class Penalty:
             c += float(self.edge_arrays["costs"][self.eoff[:-1] + x[e[:, 0]] * self.sizes[e[:, 1]]
                                                  + x[e[:, 1]]].sum())
         return c
+
+    def usage(self, x: np.ndarray) -> np.ndarray:
+        """Usage above the constant part at each checkpoint for choice x."""
+        d = self.du[self.off[:-1] + x] * self.mem
+        prof = np.zeros(len(self.red.cap) + 1)
+        np.add.at(prof, self.a, d)
+        np.add.at(prof, self.b, -d)
+        return np.cumsum(prof)[:-1]
+
+    def real_cost(self, x: np.ndarray) -> float:
+        """Cost of choice x in the reduced problem's units (no penalty)."""
+        if self._unary0 is None:
+            self._unary0, self._offset0 = self.unary(np.zeros(len(self.lo)))
+        return self.model_cost(self._unary0, x) / self.scale + self._offset0
+
+    def allowed(self, x: np.ndarray) -> bool:
+        """Whether choice x avoids every forbidden node strategy and edge pair."""
+        return bool(np.isfinite(self.real_cost(x)))
 
     def node_overflow(self, over: np.ndarray) -> np.ndarray:
         """Per node: whether a checkpoint of its live range is over the limit."""
@@ -161,38 +181,58 @@ class Penalty:
 
 
 def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: float,
-                   w0: float, solve_s: float, seed: int = 0, levels: int | None = None,
+                   w0: float | np.ndarray, solve_s: float, seed: int = 0, levels: int | None = None,
                    log: list | None = None, hard_deadline: float | None = None,
                    on_first_round: Callable[[float], None] | None = None,
                    ) -> tuple[np.ndarray | None, float, dict]:
     """Rounds of penalized toulbar2 solves until `deadline` (time.perf_counter()), or
     until `hard_deadline` while no feasible answer has been found.
 
-    Each round lasts at most `solve_s` seconds (toulbar2 is interrupted then); a round
-    in which some level found nothing at all makes the next one 1.5x longer.  Each level
+    Each solve gets `solve_s` seconds of CPU time (toulbar2's own limit; the wall clock
+    only interrupts it at the end); a round in which some level found nothing at all
+    makes the next one 1.5x longer.  Each level
     starts from the better (under its weights) of its previous answer and the best
-    feasible answer, with that answer's penalized cost as toulbar2's upper bound.
-    `on_first_round(stop)` runs in this process while the workers solve the first round.
-    `ls` is used as scratch state.  Returns the best feasible reduced-problem choice
-    found (or None), its cost, and counters.
+    feasible answer, with that answer's penalized cost as toulbar2's upper bound.  The
+    local-search polish of a round's feasible answers runs in this process while the
+    workers solve the next round.  `on_first_round(stop)` runs here while the workers
+    solve the first round.  `ls` is used as scratch state.  Returns the best feasible
+    reduced-problem choice found (or None), its cost, and counters.
     """
     hard_deadline = deadline if hard_deadline is None else max(deadline, hard_deadline)
     levels = levels or pool.size
     pen = Penalty(red, w0, levels)
-    best, best_cost = None, np.inf
+    found: dict = {"best": None, "cost": np.inf}
     prev: list[np.ndarray | None] = [None] * levels
-    rounds = solves = feasible = 0
+    counts = {"penalty_rounds": 0, "penalty_solves": 0, "penalty_feasible": 0}
     base_key = f"penalty-{id(pen)}"
-    while time.perf_counter() < (deadline if best is not None else hard_deadline) - 0.5:
-        end = deadline if best is not None else hard_deadline
+    pending: list[np.ndarray] = []  # feasible answers waiting for the polish
+
+    def polish(stop: float) -> None:
+        while pending:
+            x = pending.pop(0)
+            if found["best"] is not None and time.perf_counter() >= stop:
+                cost = pen.real_cost(x)  # no time for the local search
+                if cost < found["cost"]:
+                    found["best"], found["cost"] = x, cost
+                continue
+            ls.reset(x)
+            if ls.cost < found["cost"] * (1 + 1e-3):
+                ls.full_descent(stop)
+            if ls.cost < found["cost"]:
+                found["best"], found["cost"] = np.array(ls.s, np.int64), float(ls.cost)
+
+    def end_time() -> float:
+        return deadline if found["best"] is not None or pending else hard_deadline
+
+    while time.perf_counter() < end_time() - 0.5:
+        end = end_time()
         ws = [pen.weights(j) for j in range(levels)]
         reqs, warm = [], []
         for j, w in enumerate(ws):
             unary, _ = pen.unary(w)
             arrays = {"unary": unary}
-            starts = [x for x in (prev[j], best) if x is not None]
-            meta = {"time_limit_s": int(max(1, 2 * min(solve_s, end - time.perf_counter()))),
-                    "lds": 4, "seed": seed + 1}
+            starts = [x for x in (prev[j], found["best"]) if x is not None]
+            meta = {"time_limit_s": int(max(1, round(solve_s))), "lds": 4, "seed": seed + 1}
             x0 = None
             if starts:
                 costs = [pen.model_cost(unary, x) for x in starts]
@@ -202,18 +242,16 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
                     meta["ub"] = float(min(costs)) + 1.0
             warm.append(x0)
             reqs.append(Request(arrays, meta, base=base_key, base_arrays=pen.edge_arrays))
-        stop = min(end, time.perf_counter() + solve_s)
+        # toulbar2 stops itself after solve_s seconds of CPU time (a slice that does not
+        # shrink when the machine is busy); the wall clock only guards the end.
         batch = pool.start(reqs)
-        if rounds == 0 and on_first_round is not None:
-            on_first_round(stop)
-        answers = pool.wait(batch, stop)
-        rounds += 1
-        xs = []
-        for ans, x0 in zip(answers, warm):
-            if ans is not None and "values" in ans.arrays:
-                xs.append(ans.arrays["values"])
-            else:
-                xs.append(x0)  # nothing below the bound (or no time): the start stands
+        if counts["penalty_rounds"] == 0 and on_first_round is not None:
+            on_first_round(min(end, time.perf_counter() + solve_s))
+        polish(min(end, time.perf_counter() + solve_s))
+        answers = pool.wait(batch, end)
+        counts["penalty_rounds"] += 1
+        xs = [ans.arrays["values"] if ans is not None and "values" in ans.arrays else x0
+              for ans, x0 in zip(answers, warm)]  # no answer below the bound: x0 stands
         if any(x is None for x in xs):
             solve_s *= 1.5
         broken: list[np.ndarray | None] = []
@@ -221,21 +259,20 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
             if x is None:
                 broken.append(None)
                 continue
-            solves += 1
+            counts["penalty_solves"] += 1
             prev[j] = x
-            ls.reset(x)
-            over = ls.use - ls.cap
+            over = pen.usage(x) - red.cap
             br = pen.node_overflow(over)
             broken.append(br)
-            ok = not br.any() and ls.nforb == 0 and bool(np.all(over <= 1e-9))
+            ok = not br.any() and bool(np.all(over <= 1e-9)) and pen.allowed(x)
             if log is not None:
-                log.append((time.perf_counter(), j, ls.cost, ok, float(over.max())))
+                log.append((time.perf_counter(), j, ok, float(over.max()) if len(over) else 0.0))
             if ok:
-                feasible += 1
-                if ls.cost < best_cost * (1 + 1e-3):
-                    ls.full_descent(deadline)
-                if ls.cost < best_cost:
-                    best, best_cost = np.array(ls.s, np.int64), float(ls.cost)
+                counts["penalty_feasible"] += 1
+                pending.append(x)
         pen.update(ws, broken)
-    return best, best_cost, {"penalty_rounds": rounds, "penalty_solves": solves,
-                             "penalty_feasible": feasible}
+    if found["best"] is None:
+        polish(hard_deadline)  # the first feasible answer is worth a late polish
+    else:
+        polish(deadline)
+    return found["best"], found["cost"], counts

@@ -119,13 +119,14 @@ class WorkerPool:
             self._worker(i)
 
     def run(self, requests: list[Request], deadline: float,
-            stop_when: Callable[[Answer], bool] | None = None) -> list[Answer | None]:
+            stop_when: Callable[[Answer], float | None] | None = None,
+            ) -> list[Answer | None]:
         """Answers to `requests` (time.perf_counter() deadline), in request order.
 
         Request i runs on worker i % size; requests beyond the pool size wait for the
-        previous request of their worker.  When an answer satisfies `stop_when` (e.g. an
-        optimum is proved), the other requests are interrupted at once (their answers
-        are their best so far).
+        previous request of their worker.  `stop_when(answer)` may bring the deadline
+        forward: it returns the new deadline (e.g. now, once an optimum is proved: the
+        other requests are interrupted and answer with their best so far) or None.
         """
         return self.wait(self.start(requests), deadline, stop_when)
 
@@ -155,15 +156,13 @@ class WorkerPool:
                 self.workers[wi] = None
 
     def wait(self, batch: _Batch, deadline: float,
-             stop_when: Callable[[Answer], bool] | None = None) -> list[Answer | None]:
+             stop_when: Callable[[Answer], float | None] | None = None,
+             ) -> list[Answer | None]:
         """Collects a started batch's answers (see `run`)."""
         busy, answers = batch.busy, batch.answers
         last_signal = 0.0
-        stop_now = False
         while busy:
             now = time.perf_counter()
-            if stop_now and deadline > now:
-                deadline = now
             if now >= deadline + self.grace_s:
                 for wi in list(busy):
                     self.workers[wi].kill()
@@ -190,8 +189,9 @@ class WorkerPool:
                     self.workers[wi] = None
                 else:
                     answers[ri] = ans
-                    if stop_when is not None and stop_when(ans):
-                        stop_now = True
+                    sooner = None if stop_when is None else stop_when(ans)
+                    if sooner is not None and sooner < deadline:
+                        deadline = sooner
                         for q in batch.queues:
                             q.clear()
                 self._dispatch(batch, wi)

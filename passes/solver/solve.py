@@ -12,7 +12,12 @@ import time
 
 import numpy as np
 
-from autopar.passes.solver.backend import DEFAULT_BACKEND, Backend, resolve_backend
+from autopar.passes.solver.backend import (
+    DEFAULT_BACKEND,
+    Backend,
+    backend_available,
+    resolve_backend,
+)
 from autopar.passes.solver.bound import dual_bound
 from autopar.passes.solver.evaluate import evaluate
 from autopar.passes.solver.heuristic import heuristic
@@ -25,6 +30,9 @@ _HEURISTIC_SHARE = 0.1
 _HEURISTIC_MAX_S = 5.0
 # Fraction of the time left after reductions spent on the dual bound when the ILP does not fit.
 _BOUND_SHARE = 0.12
+# Below this many seconds left after the reductions, toulbar2 (worker processes: start-up,
+# interrupt grace) gives way to the in-process ILP path.
+TOULBAR2_MIN_S = 3.0
 
 
 def solve(
@@ -39,7 +47,9 @@ def solve(
 
     backend: "auto" (toulbar2 when pytoulbar2 imports, else highs when highspy is
     installed, else cbc), "toulbar2", "highs" or "cbc"; the one used is in
-    stats["backend"].  threads: solver processes/threads (toulbar2: worker processes).
+    stats["backend"] (toulbar2 gives way to highs/cbc when less than TOULBAR2_MIN_S
+    seconds are left after the reductions: stats["toulbar2_skipped"] says so).
+    threads: solver processes/threads (toulbar2: worker processes).
     Always returns a Solution: status "optimal" (proved), "feasible" (the exact solver's
     answer, not proved) or "fallback" (the heuristic's answer; the exact solver was
     skipped or found nothing better in time).  `feasible` is False only if no allowed
@@ -60,7 +70,12 @@ def solve(
     t_red = time.perf_counter()
     stats["reduce_seconds"] = t_red - t0
     if backend == "toulbar2":
-        return _solve_toulbar2(problem, red, deadline, threads, verbose, stats, t0)
+        if red.num_nodes == 0 or deadline - t_red >= TOULBAR2_MIN_S:
+            return _solve_toulbar2(problem, red, deadline, threads, verbose, stats, t0)
+        # Too short for worker processes: the ILP path (HiGHS when installed, else CBC).
+        stats["toulbar2_skipped"] = (f"{deadline - t_red:.2f} s left after reductions, "
+                                     f"toulbar2 needs {TOULBAR2_MIN_S} s")
+        backend = stats["backend"] = "highs" if backend_available("highs") else "cbc"
 
     nz = model_nonzeros(red) if red.num_nodes else 0
     stats["ilp_nonzeros"] = nz

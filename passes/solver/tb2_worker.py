@@ -206,6 +206,10 @@ def solve_model(model: dict, meta: dict) -> tuple[dict, dict]:
 
 def main() -> None:
     """Serves requests from stdin until it closes; answers on the original stdout."""
+    if sys.platform.startswith("linux"):  # die with the parent, even mid-solve
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     proto_out = os.dup(1)
     os.dup2(2, 1)  # toulbar2's own prints must not corrupt the protocol stream
     sys.stdout = sys.stderr

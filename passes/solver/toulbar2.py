@@ -31,15 +31,20 @@ EXACT_MAX_NODES = 3000
 EXACT_MAX_STRATEGIES = 60_000
 EXACT_MAX_CONSTRAINTS = 3000
 # Large problems: share of the time after the first answer left to the final LNS.
-LNS_SHARE = 0.25
+LNS_SHARE = 0.1
 # The local-search answer only needs to exist (toulbar2 improves on it at once).
 _HEURISTIC_SHARE = 0.02
 _HEURISTIC_MAX_S = 1.0
 _MIN_TOULBAR2_S = 0.5  # below this, the local-search answer is returned as it is
+_GRACE_S = 1.5  # between interrupting a worker and killing it
 
 
 def _is_optimal(ans: Answer) -> bool:
     return ans.meta.get("status") == "optimal"
+
+
+def _stop_if_optimal(ans: Answer) -> float | None:
+    return time.perf_counter() if _is_optimal(ans) else None
 
 
 def exact_fits(red: Reduced) -> bool:
@@ -67,7 +72,7 @@ def solve_exact(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: float
         meta = {"ub": ub, "seed": seed + i, "lds": 4 if i % 2 else 0,
                 "time_limit_s": int(max(1, 2 * left))}
         reqs.append(Request(model.arrays, meta))
-    answers = pool.run(reqs, deadline, stop_when=_is_optimal)
+    answers = pool.run(reqs, deadline, stop_when=_stop_if_optimal)
     best, best_cost, optimal, lower = None, np.inf, False, None
     for ans in answers:
         if ans is None:
@@ -104,15 +109,17 @@ def solve_toulbar2(red: Reduced, deadline: float, seed: int = 0, threads: int = 
     t0 = time.perf_counter()
     stats: dict = {"threads": threads}
     ls = LocalSearch(red, seed)
+    # Workers are interrupted by `deadline` and killed _GRACE_S later if they ignore it.
+    deadline = deadline - _GRACE_S
     local: dict = {}
 
-    def local_search(stop: float) -> None:
+    def local_search(stop: float, max_stall: int = 200) -> None:
         t = time.perf_counter()
-        local["s"], local["stats"] = heuristic(red, stop, seed=seed, max_stall=200,
+        local["s"], local["stats"] = heuristic(red, stop, seed=seed, max_stall=max_stall,
                                                use_lns=False)
         stats["heuristic_seconds"] = time.perf_counter() - t
 
-    with WorkerPool(threads) as pool:
+    with WorkerPool(threads, grace_s=_GRACE_S) as pool:
         large = not exact_fits(red)
         if deadline - t0 > _MIN_TOULBAR2_S:
             pool.warm_up()  # worker start-up overlaps the local search
@@ -135,10 +142,10 @@ def solve_toulbar2(red: Reduced, deadline: float, seed: int = 0, threads: int = 
             lns_start = deadline - LNS_SHARE * (deadline - t1)
             ls.reset(initial_strategies(red))
             w0 = _initial_weight(red, float(ls.cost))
-            solve_s = float(np.clip((lns_start - t1) / 4.0, 8.0, 30.0))
+            solve_s = float(np.clip((lns_start - t1) / 12.0, 8.0, 20.0))
             x, cost, pstats = penalty_search(red, ls, pool, lns_start, w0, solve_s, seed,
                                              hard_deadline=deadline,
-                                             on_first_round=local_search)
+                                             on_first_round=lambda stop: local_search(stop, 0))
             stats.update(pstats, penalty_cost=cost, initial_weight=w0)
             if x is not None:
                 best, status = x, "feasible"
