@@ -80,8 +80,8 @@ def markdown(rows: list[dict], args) -> str:
         "# autopar solver on the IOPDDL contest instances",
         "",
         f"`python -m benchmarks.solver_iopddl` — backend {args.backend}, time scale "
-        f"{args.time_scale}, 2 cores (shared with other jobs: see the note in the JSON "
-        "`load_average`). seconds = solve() wall clock, model building included, file "
+        f"{args.time_scale}, 2 cores (shared with other jobs: see the load note below). "
+        "seconds = solve() wall clock, model building included, file "
         "loading excluded; limit = the contest's. ratio = our cost / best known cost. "
         "Lower bound: solve()'s proof when it proves optimality, else the Lagrangian bound "
         "(lagrange.py: memory prices, toulbar2's bound on each subproblem) computed after "
@@ -103,6 +103,12 @@ def markdown(rows: list[dict], args) -> str:
             f"| {bk} | {r['seconds']} | {r['bound_seconds']} | {r['status']} "
             f"| {r['backend']} |"
         )
+    loads = [f"{r['instance']} {r['load_average'][0]:.1f}" for r in rows
+             if r.get("load_average")]
+    if loads:
+        lines += ["", "Load average (1 min, on 2 cores) when each instance finished: "
+                  + ", ".join(loads) + ". Above 2, other jobs shared the cores: the solver "
+                  "got less than the 2 cores the contest limits assume."]
     return "\n".join(lines) + "\n"
 
 

@@ -59,6 +59,23 @@ def _finite(x: np.ndarray) -> np.ndarray:
     return x < INFINITE_COST
 
 
+def shifted_tables(tables: list[np.ndarray]) -> tuple[list[np.ndarray], float, float, bool]:
+    """Each table minus its smallest finite entry (forbidden entries become +inf), the sum
+    of those minima, the sum of the shifted tables' largest finite entries, and whether
+    every finite entry is an integer."""
+    out, offset, span, integral = [], 0.0, 0.0, True
+    for t in tables:
+        fin = _finite(t)
+        m = float(t[fin].min()) if fin.any() else 0.0
+        offset += m
+        s = np.where(fin, t - m, np.inf)
+        out.append(s)
+        if fin.any():
+            span += float(s[fin].max())
+            integral &= bool(np.all(np.mod(t[fin], 1.0) == 0))
+    return out, offset, span, integral
+
+
 def build_model(unary: list[np.ndarray], edges: list[tuple[int, int, np.ndarray]],
                 knapsacks: list[tuple[np.ndarray, list[np.ndarray], float]] | None = None,
                 best: np.ndarray | None = None) -> Model:
@@ -69,29 +86,9 @@ def build_model(unary: list[np.ndarray], edges: list[tuple[int, int, np.ndarray]
     """
     n = len(unary)
     sizes = np.array([u.size for u in unary], np.int64)
-    offset = 0.0
-    shifted_u = []
-    span = 0.0
-    integral = True
-    for u in unary:
-        fin = _finite(u)
-        m = float(u[fin].min()) if fin.any() else 0.0
-        offset += m
-        s = np.where(fin, u - m, np.inf)
-        shifted_u.append(s)
-        if fin.any():
-            span += float(s[fin].max())
-            integral &= bool(np.all(np.mod(u[fin], 1.0) == 0))
-    shifted_e = []
-    for _a, _b, r in edges:
-        fin = _finite(r)
-        m = float(r[fin].min()) if fin.any() else 0.0
-        offset += m
-        s = np.where(fin, r - m, np.inf)
-        shifted_e.append(s)
-        if fin.any():
-            span += float(s[fin].max())
-            integral &= bool(np.all(np.mod(r[fin], 1.0) == 0))
+    shifted_u, off_u, span_u, int_u = shifted_tables(unary)
+    shifted_e, off_e, span_e, int_e = shifted_tables([r for _a, _b, r in edges])
+    offset, span, integral = off_u + off_e, span_u + span_e, int_u and int_e
     scale = pow2_scale(span, _COST_TOTAL, integral)
     arrays: dict = {"sizes": sizes}
     arrays["unary"] = (np.round(np.concatenate(shifted_u) * scale) if n

@@ -60,7 +60,7 @@ def lagrangian_bound(problem: ShardingProblem, time_limit_s: float,
 
     center, center_val, center_g, warm = mu, -np.inf, None, None
     theta = 1.0
-    slice_s = float(np.clip(time_limit_s / 15.0, 3.0, 12.0))
+    slice_s = float(np.clip(time_limit_s / 6.0, 5.0, 12.0))
     with WorkerPool(threads) as pool:
         key = "lagrange"
         while time.perf_counter() < deadline - 1.0:
@@ -97,7 +97,7 @@ def lagrangian_bound(problem: ShardingProblem, time_limit_s: float,
                     center_g = np.where((m <= 0) & (center_g < 0), 0.0, center_g)
             if not improved:
                 theta *= 0.5
-            if any(a is not None and a.meta.get("status") != "optimal" for a in answers):
+            if any(a is None or a.meta.get("status") != "optimal" for a in answers):
                 slice_s *= 1.25  # the subproblems need more time to bound well
     stats["lagrange_seconds"] = time.perf_counter() - t0
     if not np.isfinite(best):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from autopar.passes.solver.cfn import build_model
+from autopar.passes.solver.cfn import build_model, shifted_tables
 from autopar.passes.solver.heuristic import LocalSearch
 from autopar.passes.solver.pool import Request, WorkerPool
 from autopar.passes.solver.problem import INFINITE_COST
@@ -86,13 +86,8 @@ class Penalty:
         e = self.edge_arrays["edges"]
         self.eoff = np.concatenate(
             [[0], np.cumsum(self.sizes[e[:, 0]] * self.sizes[e[:, 1]])]).astype(np.int64)
-        self.edge_offset = float(sum(
-            float(r[r < INFINITE_COST].min()) for _u, _v, r in red.edges
-            if (r < INFINITE_COST).any()))
-        span = sum(float(np.ptp(c[c < INFINITE_COST])) for c in red.costs
-                   if (c < INFINITE_COST).any())
-        span += float(sum(float(np.ptp(r[r < INFINITE_COST])) for _u, _v, r in red.edges
-                          if (r < INFINITE_COST).any()))
+        _, self.edge_offset, span_e, _ = shifted_tables([r for _u, _v, r in red.edges])
+        span = shifted_tables(list(red.costs))[2] + span_e
         self._unary0: np.ndarray | None = None
         self._offset0 = 0.0
         dmax = np.array([d.max() for d in red.du] + [0.0])[:n]

@@ -122,14 +122,19 @@ def solve(
         if status != "optimal" and res.get("bound") is not None:
             lower = res["bound"] + red.offset
     stats["ilp_seconds"] = time.perf_counter() - t_h
+    return _finish(problem, best, best_cost, best_ok, lower, status, stats, t0, verbose)
+
+
+def _finish(problem: ShardingProblem, best, cost: float, ok: bool, lower: float | None,
+            status: str, stats: dict, t0: float, verbose: bool) -> Solution:
     total = time.perf_counter() - t0
     stats["total_seconds"] = total
     if verbose:
-        print(f"solve {problem.name}: {status} cost={best_cost:.6g} feasible={best_ok} "
+        print(f"solve {problem.name}: {status} cost={cost:.6g} feasible={ok} "
               f"in {total:.1f}s; {stats}")
     return Solution(
-        strategies=tuple(int(x) for x in best), cost=best_cost, lower_bound=lower,
-        status=status, seconds=total, feasible=best_ok, stats=stats,
+        strategies=tuple(int(x) for x in best), cost=cost, lower_bound=lower,
+        status=status, seconds=total, feasible=ok, stats=stats,
     )
 
 
@@ -150,12 +155,4 @@ def _solve_toulbar2(problem: ShardingProblem, red, deadline: float, threads: int
         lower = cost
     elif lb is not None:
         lower = min(lb + red.offset, cost)
-    total = time.perf_counter() - t0
-    stats["total_seconds"] = total
-    if verbose:
-        print(f"solve {problem.name}: {status} cost={cost:.6g} feasible={ok} "
-              f"in {total:.1f}s; {stats}")
-    return Solution(
-        strategies=tuple(int(x) for x in best), cost=cost, lower_bound=lower,
-        status=status, seconds=total, feasible=ok, stats=stats,
-    )
+    return _finish(problem, best, cost, ok, lower, status, stats, t0, verbose)

@@ -2,15 +2,21 @@
 
 On a reduced problem (reduce.py: forbidden and dominated strategies, separable edges,
 leaves and chains already gone):
-  1. a quick local-search answer (heuristic.py): the fallback, the warm start, the bound
-     to beat;
-  2a. small/medium problems (EXACT_MAX_*): one cost function network with a knapsack per
-     non-dominated live set (cfn.reduced_model), solved by toulbar2 on every worker at
-     once with different seeds and search settings; the first proof of optimality stops
-     the others;
-  2b. large problems: the penalty loop (penalty.py) for most of the time, then
+  small/medium problems (EXACT_MAX_*): a quick local-search answer (heuristic.py: the
+     fallback, the warm start and the upper bound), then one cost function network with
+     a knapsack per non-dominated live set (cfn.reduced_model), solved by toulbar2 on
+     every worker at once with different seeds and search settings; the first proof of
+     optimality stops the others;
+  large problems: the penalty loop (penalty.py) for most of the time, the local-search
+     answer computed here while the workers solve its first round (the fallback), then
      large-neighbourhood search with toulbar2 sub-solves (tb2_lns.py) on the best answer.
 Every toulbar2 solve runs in a worker process (pool.py) under a wall-clock guard.
+
+Determinism: with the same seed the exact path returns the same answer whenever toulbar2
+proves optimality (and the lowest-index worker's answer among equal costs); the large
+path's penalty rounds use CPU-time slices and its LNS backtrack limits, so its answer
+depends on the machine only through how many rounds and regions fit before the deadline
+(and on toulbar2's own progress within a slice).
 """
 
 from __future__ import annotations
