@@ -22,8 +22,8 @@ from autopar.passes.solver import (
 )
 from autopar.passes.solver.reduce import reduce_problem
 
-DATA = pathlib.Path(__file__).resolve().parent / "data"
-EXAMPLE = DATA / "example.json"
+IOPDDL = pathlib.Path(__file__).resolve().parent / "data"  # see data/README.md
+EXAMPLE = IOPDDL / "example.json"
 BACKENDS = (["cbc"] + (["highs"] if importlib.util.find_spec("highspy") else [])
             + (["toulbar2"] if importlib.util.find_spec("pytoulbar2") else []))
 
@@ -164,7 +164,7 @@ def test_reductions_preserve_optimum(seed):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fallback_is_feasible(backend):
-    p = load_iopddl(DATA / "asplos-2025-iopddl-G.json.gz")
+    p = load_iopddl(IOPDDL / "asplos-2025-iopddl-G.json.gz")
     sol = solve(p, time_limit_s=0.5, backend=backend)
     assert sol.status == "fallback"
     if backend == "toulbar2":  # too short for worker processes: the ILP path's heuristic

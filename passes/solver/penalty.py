@@ -93,9 +93,10 @@ class Penalty:
         dmax = np.array([d.max() for d in red.du] + [0.0])[:n]
         self.w_cap = _MAX_PENALTY_SPAN * max(span, 1.0) / max(float(dmax.sum()), 1e-300)
 
-    def weights(self, j: int) -> np.ndarray:
-        """Per-node weights of level j (0 for nodes that never matter for memory)."""
-        lv = self.levels
+    def weights(self, j: int, levels: int | None = None) -> np.ndarray:
+        """Per-node weights of level j of `levels` (default: self.levels); 0 for nodes
+        that never matter for memory."""
+        lv = levels or self.levels
         frac = (j + 1) / (lv + 1)
         lo, hi = self.lo, self.hi
         w = np.empty(len(lo))
@@ -179,6 +180,7 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
                    w0: float | np.ndarray, solve_s: float, seed: int = 0, levels: int | None = None,
                    log: list | None = None, hard_deadline: float | None = None,
                    on_first_round: Callable[[float], None] | None = None,
+                   first_levels: int | None = None, first_solve_s: float | None = None,
                    ) -> tuple[np.ndarray | None, float, dict]:
     """Rounds of penalized toulbar2 solves until `deadline` (time.perf_counter()), or
     until `hard_deadline` while no feasible answer has been found.
@@ -186,18 +188,21 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
     Each solve gets `solve_s` seconds of CPU time (toulbar2's own limit; the wall clock
     only interrupts it at the end); a round in which some level found nothing at all
     makes the next one 1.5x longer.  Each level
-    starts from the better (under its weights) of its previous answer and the best
+    starts from the best (under its weights) of the last round's answers and the best
     feasible answer, with that answer's penalized cost as toulbar2's upper bound.  The
     local-search polish of a round's feasible answers runs in this process while the
     workers solve the next round.  `on_first_round(stop)` runs here while the workers
-    solve the first round.  `ls` is used as scratch state.  Returns the best feasible
-    reduced-problem choice found (or None), its cost, and counters.
+    solve the first round.  The first round may scan more weight levels
+    (`first_levels`, queued on the workers) with shorter solves (`first_solve_s`): the
+    brackets start orders of magnitude wide.  `ls` is used as scratch state.  Returns
+    the best feasible reduced-problem choice found (or None), its cost, and counters.
     """
     hard_deadline = deadline if hard_deadline is None else max(deadline, hard_deadline)
     levels = levels or pool.size
     pen = Penalty(red, w0, levels)
     found: dict = {"best": None, "cost": np.inf}
-    prev: list[np.ndarray | None] = [None] * levels
+    first_levels = max(levels, first_levels or levels)
+    prev: list[np.ndarray | None] = []  # the last round's answers
     counts = {"penalty_rounds": 0, "penalty_solves": 0, "penalty_feasible": 0}
     base_key = f"penalty-{id(pen)}"
     pending: list[np.ndarray] = []  # feasible answers waiting for the polish
@@ -221,13 +226,16 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
 
     while time.perf_counter() < end_time() - 0.5:
         end = end_time()
-        ws = [pen.weights(j) for j in range(levels)]
+        first = counts["penalty_rounds"] == 0
+        lv = first_levels if first else levels
+        ws = [pen.weights(j, lv) for j in range(lv)]
+        slice_s = first_solve_s if first and first_solve_s else solve_s
         reqs, warm = [], []
-        for j, w in enumerate(ws):
+        for w in ws:
             unary, _ = pen.unary(w)
             arrays = {"unary": unary}
-            starts = [x for x in (prev[j], found["best"]) if x is not None]
-            meta = {"time_limit_s": int(max(1, round(solve_s))), "lds": 4, "seed": seed + 1}
+            starts = [x for x in (*prev, found["best"]) if x is not None]
+            meta = {"time_limit_s": int(max(1, round(slice_s))), "lds": 4, "seed": seed + 1}
             x0 = None
             if starts:
                 costs = [pen.model_cost(unary, x) for x in starts]
@@ -250,12 +258,12 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
         if any(x is None for x in xs):
             solve_s *= 1.5
         broken: list[np.ndarray | None] = []
+        prev = list(xs)
         for j, x in enumerate(xs):
             if x is None:
                 broken.append(None)
                 continue
             counts["penalty_solves"] += 1
-            prev[j] = x
             over = pen.usage(x) - red.cap
             br = pen.node_overflow(over)
             broken.append(br)

@@ -38,6 +38,10 @@ EXACT_MAX_STRATEGIES = 60_000
 EXACT_MAX_CONSTRAINTS = 3000
 # Large problems: share of the time after the first answer left to the final LNS.
 LNS_SHARE = 0.1
+# Large problems with at least SCAN_MIN_S seconds for the penalty loop: its first round
+# scans SCAN_LEVELS x workers weight levels with solves SCAN_LEVELS times shorter.
+SCAN_MIN_S = 100.0
+SCAN_LEVELS = 3
 # The local-search answer only needs to exist (toulbar2 improves on it at once).
 _HEURISTIC_SHARE = 0.02
 _HEURISTIC_MAX_S = 1.0
@@ -149,9 +153,15 @@ def solve_toulbar2(red: Reduced, deadline: float, seed: int = 0, threads: int = 
             ls.reset(initial_strategies(red))
             w0 = _initial_weight(red, float(ls.cost))
             solve_s = float(np.clip((lns_start - t1) / 12.0, 8.0, 20.0))
+            scan = {}
+            if lns_start - t1 >= SCAN_MIN_S:
+                scan = {"first_levels": SCAN_LEVELS * pool.size,
+                        "first_solve_s": max(4.0, solve_s / SCAN_LEVELS)}
             x, cost, pstats = penalty_search(red, ls, pool, lns_start, w0, solve_s, seed,
                                              hard_deadline=deadline,
-                                             on_first_round=lambda stop: local_search(stop, 0))
+                                             on_first_round=lambda stop: local_search(stop, 0),
+                                             **scan)
+            stats["penalty_scan_levels"] = scan.get("first_levels", 0)
             stats.update(pstats, penalty_cost=cost, initial_weight=w0)
             if x is not None:
                 best, status = x, "feasible"
