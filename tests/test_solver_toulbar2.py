@@ -131,6 +131,21 @@ def test_penalty_and_lns_path(monkeypatch):
     assert sol.stats["penalty_solves"] >= 1
 
 
+def test_penalty_scan_first_round(monkeypatch):
+    """The scanning first round (more levels than workers, queued) runs every level and
+    the loop still returns a feasible answer."""
+    from autopar.passes.solver import toulbar2
+
+    monkeypatch.setattr(toulbar2, "EXACT_MAX_NODES", 0)
+    monkeypatch.setattr(toulbar2, "SCAN_MIN_S", 0.0)
+    p = load_iopddl(DATA / "asplos-2025-iopddl-G.json.gz")
+    sol = solve(p, time_limit_s=12.0, backend="toulbar2")
+    assert sol.stats["penalty_scan_levels"] == toulbar2.SCAN_LEVELS * 2
+    assert sol.stats["penalty_solves"] >= toulbar2.SCAN_LEVELS * 2
+    assert sol.feasible and sol.cost >= 217_039.0
+    assert evaluate(p, sol.strategies) == (pytest.approx(sol.cost), True)
+
+
 def test_region_model_is_exact():
     """A region covering every node, knapsacks included, solves the whole problem."""
     from autopar.passes.solver.heuristic import LocalSearch, initial_strategies

@@ -6,8 +6,11 @@ weight levels at once (one per worker, in parallel); level j of node v lies betw
 largest weight known to leave a checkpoint of v's live range over the limit (lo_v) and
 the smallest known to keep it under (hi_v), spread geometrically.  After the round each
 node narrows [lo_v, hi_v] from the levels' outcomes (nodes interact, so a bracket that
-proves wrong is widened again).  Every answer without an overflow is a feasible
-candidate; a local-search descent (heuristic.LocalSearch) polishes it.
+proves wrong is widened again).  Before any outcome is known the levels are
+w0 * 4^k around a first guess w0; an optional first round scans more of them (queued on
+the workers, with shorter solves), which on 2 workers finds the brackets' scale rounds
+sooner.  Every answer without an overflow is a feasible candidate; a local-search
+descent (heuristic.LocalSearch) polishes it.
 (1st place of the ASPLOS'25 IOPDDL contest: Staudt & Blacher, "Soft Constraints, Strong
 Solutions"; this is our own implementation of the idea.)
 
@@ -255,8 +258,8 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
         counts["penalty_rounds"] += 1
         xs = [ans.arrays["values"] if ans is not None and "values" in ans.arrays else x0
               for ans, x0 in zip(answers, warm)]  # no answer below the bound: x0 stands
-        if any(x is None for x in xs):
-            solve_s *= 1.5
+        if any(x is None for x in xs) and not (first and first_solve_s):
+            solve_s *= 1.5  # (a scan's short solves say nothing about solve_s)
         broken: list[np.ndarray | None] = []
         prev = list(xs)
         for j, x in enumerate(xs):

@@ -7,7 +7,8 @@ leaves and chains already gone):
      a knapsack per non-dominated live set (cfn.reduced_model), solved by toulbar2 on
      every worker at once with different seeds and search settings; the first proof of
      optimality stops the others;
-  large problems: the penalty loop (penalty.py) for most of the time, the local-search
+  large problems: the penalty loop (penalty.py; with time for it, a first round that
+     scans SCAN_LEVELS x workers weight levels) for most of the time, the local-search
      answer computed here while the workers solve its first round (the fallback), then
      large-neighbourhood search with toulbar2 sub-solves (tb2_lns.py) on the best answer.
 Every toulbar2 solve runs in a worker process (pool.py) under a wall-clock guard.
@@ -41,7 +42,7 @@ LNS_SHARE = 0.1
 # Large problems with at least SCAN_MIN_S seconds for the penalty loop: its first round
 # scans SCAN_LEVELS x workers weight levels with solves SCAN_LEVELS times shorter.
 SCAN_MIN_S = 100.0
-SCAN_LEVELS = 3
+SCAN_LEVELS = 4
 # The local-search answer only needs to exist (toulbar2 improves on it at once).
 _HEURISTIC_SHARE = 0.02
 _HEURISTIC_MAX_S = 1.0
