@@ -42,6 +42,8 @@ LNS_SHARE = 0.1
 # Large problems with at least SCAN_MIN_S seconds for the penalty loop: its first round
 # scans SCAN_LEVELS x workers weight levels with solves SCAN_LEVELS times shorter.
 SCAN_MIN_S = 100.0
+# Penalty solves get the loop's time over this many rounds (8-20 s of CPU time each).
+PENALTY_ROUNDS = 12.0
 SCAN_LEVELS = 4
 # The local-search answer only needs to exist (toulbar2 improves on it at once).
 _HEURISTIC_SHARE = 0.02
@@ -153,7 +155,7 @@ def solve_toulbar2(red: Reduced, deadline: float, seed: int = 0, threads: int = 
             lns_start = deadline - LNS_SHARE * (deadline - t1)
             ls.reset(initial_strategies(red))
             w0 = _initial_weight(red, float(ls.cost))
-            solve_s = float(np.clip((lns_start - t1) / 12.0, 8.0, 20.0))
+            solve_s = float(np.clip((lns_start - t1) / PENALTY_ROUNDS, 8.0, 20.0))
             scan = {}
             if lns_start - t1 >= SCAN_MIN_S:
                 scan = {"first_levels": SCAN_LEVELS * pool.size,
