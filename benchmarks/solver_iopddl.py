@@ -1,7 +1,7 @@
 """Runs solve() on the IOPDDL contest instances with the contest time limits.
 
     python -m benchmarks.solver_iopddl [--instances G,A,M,S] [--time-scale 1.0] [--dir D]
-        [--backend auto] [--bound-time-scale 1.0] [--merge]
+        [--backend toulbar2 (default when installed)] [--bound-time-scale 1.0] [--merge]
 
 Writes benchmarks/results/solver_iopddl.{md,json}: per instance the cost of solve()'s
 answer within the contest limit, its ratio to the best known cost, and a proven lower
@@ -19,6 +19,7 @@ import sys
 import time
 
 from autopar.passes.solver import BACKENDS, evaluate, load_iopddl, solve
+from autopar.passes.solver.backend import backend_available
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIME_LIMITS_S = {"G": 120.0, "A": 60.0, "M": 180.0, "S": 240.0}
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bound-time-scale", type=float, default=1.0,
                     help="budget of the Lagrangian bound, as a multiple of the limit (0: none)")
     ap.add_argument("--dir", default=str(REPO.parent / "shared" / "iopddl"))
-    ap.add_argument("--backend", default="auto", choices=list(BACKENDS))
+    ap.add_argument("--backend", default="toulbar2" if backend_available("toulbar2") else "auto",
+                    choices=list(BACKENDS))
     ap.add_argument("--merge", action="store_true",
                     help="keep the stored rows of the instances not run this time")
     args = ap.parse_args(argv)

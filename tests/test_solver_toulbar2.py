@@ -28,7 +28,7 @@ from autopar.passes.solver import (
     load_iopddl,
     solve,
 )
-from autopar.passes.solver.backend import resolve_backend
+from autopar.passes.solver.backend import AUTO_TOULBAR2_MIN_NODES, resolve_backend
 from autopar.passes.solver.cfn import nondominated_points
 from autopar.passes.solver.reduce import reduce_problem
 
@@ -41,6 +41,8 @@ def test_backend_option():
     assert DEFAULT_BACKEND == "auto"
     assert set(BACKENDS) == {"auto", "toulbar2", "highs", "cbc"}
     assert resolve_backend("auto") == "toulbar2"
+    assert resolve_backend("auto", AUTO_TOULBAR2_MIN_NODES) == "toulbar2"
+    assert resolve_backend("auto", AUTO_TOULBAR2_MIN_NODES - 1) == "highs"
     assert resolve_backend("cbc") == "cbc"
     with pytest.raises(ValueError, match="'toulbar2'"):
         resolve_backend("gurobi")

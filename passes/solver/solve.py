@@ -62,7 +62,7 @@ def solve(
         raise ValueError(f"solve: time_limit_s must be positive, got {time_limit_s=}")
     if threads < 1:
         raise ValueError(f"solve: threads must be >= 1, got {threads=}")
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, problem.num_nodes)
     deadline = t0 + 0.91 * time_limit_s - 0.05  # contest: loading counts, finish by 0.95x
     stats: dict = {"backend": backend}
     red, rstats = reduce_problem(problem)
