@@ -24,7 +24,8 @@ from autopar.passes.solver.reduce import reduce_problem
 
 IOPDDL = pathlib.Path(__file__).resolve().parent / "data"  # see data/README.md
 EXAMPLE = IOPDDL / "example.json"
-BACKENDS = ["cbc"] + (["highs"] if importlib.util.find_spec("highspy") else [])
+BACKENDS = (["cbc"] + (["highs"] if importlib.util.find_spec("highspy") else [])
+            + (["toulbar2"] if importlib.util.find_spec("pytoulbar2") else []))
 
 
 def random_problem(seed: int, limit: str = "none", forbid: float = 0.0) -> ShardingProblem:
@@ -104,9 +105,11 @@ def test_solve_matches_brute_force(backend, seed, limit, forbid):
     assert sol.status == "optimal"
     assert sol.cost == pytest.approx(want)
     assert sol.lower_bound == pytest.approx(want)
+    assert sol.stats["backend"] == backend
+    solver_key = "toulbar2_seconds" if backend == "toulbar2" else "ilp_seconds"
     for key in ("nodes_before", "nodes_after", "edges_before", "edges_after",
                 "strategies_before", "strategies_after", "backend", "reduce_seconds",
-                "heuristic_seconds", "ilp_seconds"):
+                "heuristic_seconds", solver_key):
         assert key in sol.stats
 
 
@@ -159,10 +162,13 @@ def test_reductions_preserve_optimum(seed):
     assert slow_evaluate(p, red.expand(arg)) == (pytest.approx(want), True)
 
 
-def test_fallback_is_feasible():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fallback_is_feasible(backend):
     p = load_iopddl(IOPDDL / "asplos-2025-iopddl-G.json.gz")
-    sol = solve(p, time_limit_s=0.5)
+    sol = solve(p, time_limit_s=0.5, backend=backend)
     assert sol.status == "fallback"
+    if backend == "toulbar2":  # too short for worker processes: the ILP path's heuristic
+        assert sol.stats["backend"] in ("highs", "cbc") and "toulbar2_skipped" in sol.stats
     assert sol.feasible
     assert evaluate(p, sol.strategies) == (pytest.approx(sol.cost), True)
     assert sol.seconds < 1.5

@@ -29,6 +29,14 @@ def dual_bound(red: Reduced, deadline: float, ub: float, max_iters: int = 100_00
                damping: float = 0.5, price_every: int = 5,
                step: float = 0.5) -> tuple[float, dict]:
     """Lower bound on the reduced problem's optimum (offset excluded)."""
+    best, _mu, stats = dual_prices(red, deadline, ub, max_iters, damping, price_every, step)
+    return best, stats
+
+
+def dual_prices(red: Reduced, deadline: float, ub: float, max_iters: int = 100_000,
+                damping: float = 0.5, price_every: int = 5,
+                step: float = 0.5) -> tuple[float, np.ndarray, dict]:
+    """dual_bound, and the memory prices (per checkpoint of red) at the best bound."""
     t0 = time.perf_counter()
     n = red.num_nodes
     sizes = np.array([c.size for c in red.costs], np.int64)
@@ -64,6 +72,7 @@ def dual_bound(red: Reduced, deadline: float, ub: float, max_iters: int = 100_00
     mu_term = np.zeros(total)
     node_of = np.repeat(np.arange(n), sizes)
     best = -np.inf
+    best_mu = np.zeros(len(red.cap))
     it = 0
     for it in range(max_iters):  # noqa: B007
         theta = c + mu_term
@@ -82,7 +91,8 @@ def dual_bound(red: Reduced, deadline: float, ub: float, max_iters: int = 100_00
             tot += np.bincount(g["fu"], pu.ravel(), total)
             tot += np.bincount(g["fv"], pv.ravel(), total)
             phis.append((pu, pv))
-        best = max(best, lb)
+        if lb > best:
+            best, best_mu = lb, mu.copy()
         if time.perf_counter() > deadline:
             break
         if use_prices and it % price_every == price_every - 1:
@@ -107,4 +117,5 @@ def dual_bound(red: Reduced, deadline: float, ub: float, max_iters: int = 100_00
         for g, (pu, pv) in zip(gs, phis):
             g["lu"] += damping * (pu - share[g["fu"]].reshape(pu.shape))
             g["lv"] += damping * (pv - share[g["fv"]].reshape(pv.shape))
-    return best, {"bound_iterations": it + 1, "bound_seconds": time.perf_counter() - t0}
+    return best, best_mu, {"bound_iterations": it + 1,
+                           "bound_seconds": time.perf_counter() - t0}

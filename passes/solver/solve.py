@@ -1,15 +1,23 @@
-"""solve(): exact reductions, then the heuristic (large-neighbourhood search with HiGHS
-sub-MIPs when highspy is installed), then the ILP when it fits the time, else a dual
-lower bound (bound.py) so that the answer's gap is known."""
+"""solve(): exact reductions, then the backend.
+
+toulbar2 (toulbar2.py): exact cost-function-network model with memory knapsacks on small
+and medium problems, penalty loop + toulbar2 LNS on large ones.  highs / cbc (PuLP, the
+reference formulation): the heuristic (large-neighbourhood search with HiGHS sub-MIPs
+when highspy is installed), then the ILP when it fits the time, else a dual lower bound
+(bound.py) so that the answer's gap is known."""
 
 from __future__ import annotations
 
-import importlib.util
 import time
-from typing import Literal
 
 import numpy as np
 
+from autopar.passes.solver.backend import (
+    DEFAULT_BACKEND,
+    Backend,
+    backend_available,
+    resolve_backend,
+)
 from autopar.passes.solver.bound import dual_bound
 from autopar.passes.solver.evaluate import evaluate
 from autopar.passes.solver.heuristic import heuristic
@@ -17,25 +25,14 @@ from autopar.passes.solver.ilp import SECONDS_PER_NONZERO, model_nonzeros, solve
 from autopar.passes.solver.problem import ShardingProblem, Solution
 from autopar.passes.solver.reduce import reduce_problem
 
-Backend = Literal["cbc", "highs", "auto"]
-BACKENDS: tuple[Backend, ...] = ("cbc", "highs", "auto")
-"""The valid `backend` names; "auto" picks the best installed one."""
-DEFAULT_BACKEND: Backend = "auto"
 # Fraction of the remaining time the heuristic gets before the ILP when the ILP fits.
 _HEURISTIC_SHARE = 0.1
 _HEURISTIC_MAX_S = 5.0
 # Fraction of the time left after reductions spent on the dual bound when the ILP does not fit.
 _BOUND_SHARE = 0.12
-
-
-def _resolve_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"solve: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "highs" if importlib.util.find_spec("highspy") is not None else "cbc"
-    if backend == "highs" and importlib.util.find_spec("highspy") is None:
-        raise ValueError("solve: backend='highs' needs the highspy package (pip install highspy)")
-    return backend
+# Below this many seconds left after the reductions, toulbar2 (worker processes: start-up,
+# interrupt grace) gives way to the in-process ILP path.
+TOULBAR2_MIN_S = 3.0
 
 
 def solve(
@@ -48,22 +45,37 @@ def solve(
 ) -> Solution:
     """Chooses one strategy per node minimising cost under the usage limit.
 
-    Always returns a Solution: status "optimal" (proved by the ILP), "feasible" (ILP
-    incumbent, not proved) or "fallback" (the heuristic's answer; the ILP was skipped or
-    found nothing in time).  `feasible` is False only if no allowed choice was found.
-    The wall-clock limit covers everything (reductions, model building, solving).
-    Raises InfeasibleError if even the least-usage choice exceeds the usage limit.
+    backend: "auto" (toulbar2 when pytoulbar2 imports, else highs when highspy is
+    installed, else cbc), "toulbar2", "highs" or "cbc"; the one used is in
+    stats["backend"] (toulbar2 gives way to highs/cbc when less than TOULBAR2_MIN_S
+    seconds are left after the reductions: stats["toulbar2_skipped"] says so).
+    threads: solver processes/threads (toulbar2: worker processes).
+    Always returns a Solution: status "optimal" (proved), "feasible" (the exact solver's
+    answer, not proved) or "fallback" (the heuristic's answer; the exact solver was
+    skipped or found nothing better in time).  `feasible` is False only if no allowed
+    choice was found.  The wall-clock limit covers everything (reductions, model
+    building, solving).  Raises InfeasibleError if even the least-usage choice exceeds
+    the usage limit.
     """
     t0 = time.perf_counter()
     if not time_limit_s > 0:
         raise ValueError(f"solve: time_limit_s must be positive, got {time_limit_s=}")
-    backend = _resolve_backend(backend)
+    if threads < 1:
+        raise ValueError(f"solve: threads must be >= 1, got {threads=}")
+    backend = resolve_backend(backend, problem.num_nodes)
     deadline = t0 + 0.91 * time_limit_s - 0.05  # contest: loading counts, finish by 0.95x
     stats: dict = {"backend": backend}
     red, rstats = reduce_problem(problem)
     stats.update(rstats)
     t_red = time.perf_counter()
     stats["reduce_seconds"] = t_red - t0
+    if backend == "toulbar2":
+        if red.num_nodes == 0 or deadline - t_red >= TOULBAR2_MIN_S:
+            return _solve_toulbar2(problem, red, deadline, threads, verbose, stats, t0)
+        # Too short for worker processes: the ILP path (HiGHS when installed, else CBC).
+        stats["toulbar2_skipped"] = (f"{deadline - t_red:.2f} s left after reductions, "
+                                     f"toulbar2 needs {TOULBAR2_MIN_S} s")
+        backend = stats["backend"] = "highs" if backend_available("highs") else "cbc"
 
     nz = model_nonzeros(red) if red.num_nodes else 0
     stats["ilp_nonzeros"] = nz
@@ -110,12 +122,37 @@ def solve(
         if status != "optimal" and res.get("bound") is not None:
             lower = res["bound"] + red.offset
     stats["ilp_seconds"] = time.perf_counter() - t_h
+    return _finish(problem, best, best_cost, best_ok, lower, status, stats, t0, verbose)
+
+
+def _finish(problem: ShardingProblem, best, cost: float, ok: bool, lower: float | None,
+            status: str, stats: dict, t0: float, verbose: bool) -> Solution:
     total = time.perf_counter() - t0
     stats["total_seconds"] = total
     if verbose:
-        print(f"solve {problem.name}: {status} cost={best_cost:.6g} feasible={best_ok} "
+        print(f"solve {problem.name}: {status} cost={cost:.6g} feasible={ok} "
               f"in {total:.1f}s; {stats}")
     return Solution(
-        strategies=tuple(int(x) for x in best), cost=best_cost, lower_bound=lower,
-        status=status, seconds=total, feasible=best_ok, stats=stats,
+        strategies=tuple(int(x) for x in best), cost=cost, lower_bound=lower,
+        status=status, seconds=total, feasible=ok, stats=stats,
     )
+
+
+def _solve_toulbar2(problem: ShardingProblem, red, deadline: float, threads: int,
+                    verbose: bool, stats: dict, t0: float, seed: int = 0) -> Solution:
+    from autopar.passes.solver.toulbar2 import solve_toulbar2  # noqa: PLC0415
+
+    if red.num_nodes:
+        s_red, lb, status, tstats = solve_toulbar2(red, deadline, seed, threads, verbose)
+        stats.update(tstats)
+    else:
+        s_red, lb, status = np.zeros(0, np.int64), 0.0, "optimal"
+        stats.update(heuristic_seconds=0.0, toulbar2_seconds=0.0, mode="solved by reduction")
+    best = red.expand(s_red)
+    cost, ok = evaluate(problem, best)
+    lower = None
+    if status == "optimal" and ok:
+        lower = cost
+    elif lb is not None:
+        lower = min(lb + red.offset, cost)
+    return _finish(problem, best, cost, ok, lower, status, stats, t0, verbose)

@@ -1,0 +1,105 @@
+"""A proven lower bound: the Lagrangian dual of the memory limit, bounded by toulbar2.
+
+For prices mu_k >= 0 on the checkpoints of the reduced problem (reduce.py),
+
+    L(mu) = min_x  cost(x) + sum_k mu_k (usage_k(x) - cap_k)
+          = min_x  cost(x) + sum_v M_v du_v(x_v)  -  mu . cap,   M_v = sum_{k live at v} mu_k
+
+is a lower bound of the optimum (any x within the limit makes the price term <= 0).  The
+inner minimum is the unconstrained pairwise problem with penalized node costs, which
+toulbar2 bounds from below (its dual bound; exact when it proves optimality), so
+LB_toulbar2(mu) - mu . cap is a proven bound for every mu.  The prices start at the
+memory prices of the pairwise-LP dual (bound.py), then move by projected subgradient
+steps (Polyak's step towards the best known cost); each round prices two step lengths
+at once, one per worker.  Model costs are rounded to integers: the bound gives back
+half a unit per cost function so that it stays valid.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from autopar.passes.solver.bound import dual_prices
+from autopar.passes.solver.penalty import Penalty
+from autopar.passes.solver.pool import Request, WorkerPool
+from autopar.passes.solver.problem import ShardingProblem
+from autopar.passes.solver.reduce import reduce_problem
+
+_LP_SHARE = 0.15  # of the time: the pairwise-LP prices to start from
+
+
+def lagrangian_bound(problem: ShardingProblem, time_limit_s: float,
+                     upper_bound: float | None = None,
+                     threads: int = 2) -> tuple[float | None, dict]:
+    """A proven lower bound of `problem`'s optimum found within `time_limit_s` seconds.
+
+    upper_bound: the cost of a known feasible answer (sets the subgradient steps).
+    Returns (bound or None, stats).
+    """
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit_s
+    red, _ = reduce_problem(problem)
+    stats: dict = {"lagrange_rounds": 0}
+    if red.num_nodes == 0:
+        return red.offset, stats
+    ncp = len(red.cap)
+    ub = None if upper_bound is None else upper_bound - red.offset
+    lp, mu, _ = dual_prices(red, t0 + _LP_SHARE * time_limit_s,
+                            ub if ub is not None else np.inf)
+    best = lp if np.isfinite(lp) else -np.inf
+    stats["lp_bound"] = lp + red.offset
+    pen = Penalty(red, 1.0, 1)
+    slack = 0.5 * (red.num_nodes + len(red.edges)) / pen.scale
+    mu = mu if len(mu) == ncp else np.zeros(ncp)
+
+    def weights(m: np.ndarray) -> np.ndarray:
+        cm = np.concatenate([[0.0], np.cumsum(m)])
+        return np.where(pen.mem, cm[pen.b] - cm[pen.a], 0.0)
+
+    center, center_val, center_g, warm = mu, -np.inf, None, None
+    theta = 1.0
+    slice_s = float(np.clip(time_limit_s / 6.0, 5.0, 12.0))
+    with WorkerPool(threads) as pool:
+        key = "lagrange"
+        while time.perf_counter() < deadline - 1.0:
+            if center_g is None:  # the LP's prices are often low: try them scaled up too
+                cands = [center * f for f in ((1.0, 8.0) if threads > 1 else (1.0,))]
+            else:
+                gg = float(center_g @ center_g)
+                target = ub if ub is not None else center_val + abs(center_val) * 0.05
+                t = theta * max(target - center_val, 1e-9 * abs(target)) / max(gg, 1e-300)
+                cands = [np.maximum(0.0, center + f * t * center_g)
+                         for f in ((1.0, 0.3) if threads > 1 else (1.0,))]
+            reqs, offs = [], []
+            for m in cands:
+                unary, off = pen.unary(weights(m))
+                arrays = {"unary": unary}
+                meta = {"seed": 1, "time_limit_s": int(max(1, round(slice_s)))}  # CPU s
+                if warm is not None:
+                    arrays["best"] = warm
+                    meta["ub"] = pen.model_cost(unary, warm) + 1.0
+                reqs.append(Request(arrays, meta, base=key, base_arrays=pen.edge_arrays))
+                offs.append(off)
+            answers = pool.run(reqs, deadline - pool.grace_s)
+            stats["lagrange_rounds"] += 1
+            improved = False
+            for m, off, ans in zip(cands, offs, answers):
+                if ans is None or ans.meta.get("lower_bound") is None:
+                    continue
+                val = ans.meta["lower_bound"] / pen.scale + off - float(m @ red.cap) - slack
+                x = ans.arrays.get("values", warm)
+                best = max(best, val)
+                if val > center_val and x is not None:
+                    center, center_val, warm, improved = m, val, x, True
+                    center_g = pen.usage(x) - red.cap
+                    center_g = np.where((m <= 0) & (center_g < 0), 0.0, center_g)
+            if not improved:
+                theta *= 0.5
+            if any(a is None or a.meta.get("status") != "optimal" for a in answers):
+                slice_s *= 1.25  # the subproblems need more time to bound well
+    stats["lagrange_seconds"] = time.perf_counter() - t0
+    if not np.isfinite(best):
+        return None, stats
+    return best + red.offset, stats

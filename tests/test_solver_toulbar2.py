@@ -1,0 +1,220 @@
+"""The toulbar2 backend: models, worker pool, exact and large-problem paths.
+
+Brute force is the oracle on small seeded random problems (test_solver.py runs its cases
+on every installed backend, toulbar2 included); these tests cover what is particular to
+toulbar2: integer scaling of float costs, forbidden entries, the knapsack constraints,
+the wall-clock guard, and the penalty + LNS path (forced on a small instance).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import pathlib
+import signal
+import time
+
+import numpy as np
+import pytest
+from test_solver import brute_force, random_problem, slow_evaluate, slow_peak
+
+from autopar.passes.solver import (
+    BACKENDS,
+    DEFAULT_BACKEND,
+    INFINITE_COST,
+    InfeasibleError,
+    ShardingProblem,
+    evaluate,
+    load_iopddl,
+    solve,
+)
+from autopar.passes.solver.backend import AUTO_TOULBAR2_MIN_NODES, resolve_backend
+from autopar.passes.solver.cfn import nondominated_points
+from autopar.passes.solver.reduce import reduce_problem
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("pytoulbar2") is None,
+                                reason="needs pytoulbar2")
+DATA = pathlib.Path(__file__).resolve().parent / "data"
+
+
+def test_backend_option():
+    assert DEFAULT_BACKEND == "auto"
+    assert set(BACKENDS) == {"auto", "toulbar2", "highs", "cbc"}
+    assert resolve_backend("auto") == "toulbar2"
+    assert resolve_backend("auto", AUTO_TOULBAR2_MIN_NODES) == "toulbar2"
+    assert resolve_backend("auto", AUTO_TOULBAR2_MIN_NODES - 1) == "highs"
+    assert resolve_backend("cbc") == "cbc"
+    with pytest.raises(ValueError, match="'toulbar2'"):
+        resolve_backend("gurobi")
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_nondominated_points_match_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n, npt = int(rng.integers(1, 12)), int(rng.integers(1, 15))
+    a = rng.integers(0, npt, n)
+    b = np.minimum(a + rng.integers(1, 6, n), npt)
+    cap = rng.integers(0, 4, npt).astype(float)
+    live = (a[None, :] <= np.arange(npt)[:, None]) & (b[None, :] > np.arange(npt)[:, None])
+    want = []
+    for k in range(npt):
+        if not live[k].any():
+            continue
+        dom = any(j != k and not (live[k] & ~live[j]).any()
+                  and (cap[j] < cap[k] or (cap[j] == cap[k] and j < k)) for j in range(npt))
+        if not dom:
+            want.append(k)
+    got = nondominated_points(a, b, cap)
+    assert got == want
+    # Nothing is lost: every point's constraint is implied by a kept one.
+    for k in range(npt):
+        if live[k].any():
+            assert any(not (live[k] & ~live[j]).any() and cap[j] <= cap[k] for j in got)
+
+
+def _float_problem(seed: int, limit: bool) -> ShardingProblem:
+    """Costs in seconds (1e-6 .. 1e2, float), some forbidden entries, usages in bytes."""
+    rng = np.random.default_rng(seed)
+    p = random_problem(seed, "tight" if limit else "none", forbid=0.2)
+    scale = 10.0 ** rng.uniform(-6, 2, 1)[0]
+    costs = tuple(np.where(c >= INFINITE_COST, c, c * scale * rng.uniform(0.5, 1.5, c.size))
+                  for c in p.node_costs)
+    ecosts = tuple(np.where(r >= INFINITE_COST, 1e30, r * scale) for r in p.edge_costs)
+    return ShardingProblem(costs, p.node_usages, p.intervals, p.edges, ecosts,
+                           usage_limit=p.usage_limit)
+
+
+@pytest.mark.parametrize(("seed", "limit"), itertools.product(range(6), [False, True]))
+def test_float_costs_and_forbidden_entries(seed, limit):
+    p = _float_problem(seed, limit)
+    want = brute_force(p)
+    try:
+        sol = solve(p, time_limit_s=20.0, backend="toulbar2")
+    except InfeasibleError:
+        assert want is None
+        return
+    cost, ok = slow_evaluate(p, sol.strategies)
+    if want is None:
+        assert not sol.feasible
+        return
+    assert ok and sol.feasible  # forbidden entries (1e18, 1e30) are never chosen
+    assert cost == pytest.approx(want, rel=1e-9)
+    assert sol.status == "optimal" and sol.stats["backend"] == "toulbar2"
+
+
+def test_example_and_g_exact_optimum():
+    ex = solve(load_iopddl(DATA / "example.json"), time_limit_s=10.0, backend="toulbar2")
+    assert (ex.cost, ex.status, ex.lower_bound) == (445.0, "optimal", 445.0)
+    p = load_iopddl(DATA / "asplos-2025-iopddl-G.json.gz")
+    sol = solve(p, time_limit_s=120.0, backend="toulbar2")
+    assert sol.stats["mode"] == "exact"
+    assert (sol.cost, sol.feasible, sol.status) == (217_039.0, True, "optimal")
+    assert sol.lower_bound == 217_039.0
+
+
+@pytest.mark.parametrize("limit_s", [0.3, 2.0])
+def test_time_limit_returns_feasible(limit_s):
+    p = load_iopddl(DATA / "asplos-2025-iopddl-G.json.gz")
+    t0 = time.perf_counter()
+    sol = solve(p, time_limit_s=limit_s, backend="toulbar2")
+    assert time.perf_counter() - t0 < limit_s + 2.0  # the guard: interrupt, then kill
+    assert sol.feasible and evaluate(p, sol.strategies) == (pytest.approx(sol.cost), True)
+
+
+def test_penalty_and_lns_path(monkeypatch):
+    from autopar.passes.solver import toulbar2
+
+    monkeypatch.setattr(toulbar2, "EXACT_MAX_NODES", 0)
+    p = load_iopddl(DATA / "asplos-2025-iopddl-G.json.gz")
+    sol = solve(p, time_limit_s=6.0, backend="toulbar2")
+    assert sol.stats["mode"] == "penalty+lns"
+    assert sol.feasible and sol.cost >= 217_039.0
+    assert evaluate(p, sol.strategies) == (pytest.approx(sol.cost), True)
+    assert sol.stats["penalty_solves"] >= 1
+
+
+def test_penalty_scan_first_round(monkeypatch):
+    """The scanning first round (more levels than workers, queued) runs every level and
+    the loop still returns a feasible answer."""
+    from autopar.passes.solver import toulbar2
+
+    monkeypatch.setattr(toulbar2, "EXACT_MAX_NODES", 0)
+    monkeypatch.setattr(toulbar2, "SCAN_MIN_S", 0.0)
+    p = load_iopddl(DATA / "asplos-2025-iopddl-G.json.gz")
+    sol = solve(p, time_limit_s=12.0, backend="toulbar2")
+    assert sol.stats["penalty_scan_levels"] == toulbar2.SCAN_LEVELS * 2
+    assert sol.stats["penalty_solves"] >= toulbar2.SCAN_LEVELS * 2
+    assert sol.feasible and sol.cost >= 217_039.0
+    assert evaluate(p, sol.strategies) == (pytest.approx(sol.cost), True)
+
+
+def test_region_model_is_exact():
+    """A region covering every node, knapsacks included, solves the whole problem."""
+    from autopar.passes.solver.heuristic import LocalSearch, initial_strategies
+    from autopar.passes.solver.pool import Request, WorkerPool
+    from autopar.passes.solver.tb2_lns import apply_answer, region_model
+
+    found = 0
+    with WorkerPool(1) as pool:
+        for seed in range(12):
+            p = random_problem(seed, "tight")
+            want = brute_force(p)
+            red, _ = reduce_problem(p)
+            if want is None or red.num_nodes < 2:
+                continue
+            ls = LocalSearch(red)
+            ls.reset(initial_strategies(red))
+            if ls.nforb or np.any(ls.use > ls.cap):
+                continue
+            region = np.arange(red.num_nodes)
+            model, cur = region_model(ls, region)
+            ans = pool.run([Request(model.arrays, {"ub": cur + 1, "time_limit_s": 10})],
+                           time.perf_counter() + 10)[0]
+            assert ans.meta["status"] == "optimal"
+            apply_answer(ls, region, ans.arrays["values"])
+            got = slow_evaluate(p, red.expand(np.array(ls.s)))
+            assert got == (pytest.approx(want), True)
+            found += 1
+    assert found >= 3
+
+
+def test_pool_interrupts_and_survives_stale_signal():
+    from autopar.passes.solver.cfn import reduced_model
+    from autopar.passes.solver.pool import Request, WorkerPool
+
+    red, _ = reduce_problem(load_iopddl(DATA / "asplos-2025-iopddl-G.json.gz"))
+    model = reduced_model(red, memory=True)
+    with WorkerPool(1, grace_s=1.0) as pool:
+        warm = reduced_model(red)  # no memory: solved at once; the worker is then ready
+        pool.run([Request(warm.arrays, {"time_limit_s": 10})], time.perf_counter() + 30)
+        t0 = time.perf_counter()
+        ans = pool.run([Request(model.arrays, {"time_limit_s": 100})], t0 + 0.2)[0]
+        assert time.perf_counter() - t0 < 0.2 + 1.0 + 0.5
+        assert ans is None or ans.meta["status"] in ("feasible", "none", "optimal")
+        # A late interrupt arriving between two requests must not cut the next one.
+        pool._worker(0).proc.send_signal(signal.SIGVTALRM)
+        time.sleep(0.2)
+        ans = pool.run([Request(warm.arrays, {"time_limit_s": 100})],
+                       time.perf_counter() + 60)[0]
+        assert ans.meta["status"] == "optimal"
+
+
+def test_same_answer_twice():
+    p = random_problem(5, "tight")
+    a = solve(p, time_limit_s=20.0, backend="toulbar2")
+    b = solve(p, time_limit_s=20.0, backend="toulbar2")
+    assert a.strategies == b.strategies and a.status == b.status == "optimal"
+    assert slow_peak(p, a.strategies) <= p.usage_limit
+
+
+@pytest.mark.parametrize("seed", [1, 4, 7])
+def test_lagrangian_bound_is_valid(seed):
+    from autopar.passes.solver.lagrange import lagrangian_bound
+
+    p = random_problem(seed, "tight")
+    want = brute_force(p)
+    if want is None:
+        return
+    lb, stats = lagrangian_bound(p, time_limit_s=2.5, upper_bound=want)
+    assert lb is not None and lb <= want + 1e-6 * max(1.0, abs(want))
+    assert lb >= stats.get("lp_bound", -np.inf) - 1e-6 * max(1.0, abs(want))
