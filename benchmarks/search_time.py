@@ -52,7 +52,8 @@ if case.startswith("demo"):
     from autopar import demo
     demo.use_cpu_devices()
     import autopar
-    _, train_step, state, make_batches = demo.make_model_and_step()
+    _, train_step, init, make_batches = demo.make_model_and_step()
+    state = init()
     batch = make_batches(1)[0]
     step = autopar.parallelize(train_step, batch_argnums=(1,),
                                method=autopar.ShardParallel(time_limit_s=10.0))
