@@ -69,10 +69,17 @@ def _with_tiling(dst: NamedSharding, devices: list[jax.Device]) -> NamedSharding
 
 
 def _step(x: jax.Array, sharding: Sharding) -> jax.Array:
-    """One `device_put` that the processes holding `x` or `sharding` all make; elsewhere a
-    placeholder."""
+    """One `device_put`: made by every process for a cross-process copy, by the processes
+    holding `x` or `sharding` for a local one (elsewhere a placeholder)."""
     if x.sharding == sharding:
         return x
+    if _processes(x.sharding) != _processes(sharding):
+        # A cross-process copy: every process of the job makes the call, also those that
+        # hold neither side.  JAX pairs a sender's and a receiver's copies by the order of
+        # these calls in each process; a process that skipped the copies between two
+        # others would pair its next ones wrongly (measured: 3 processes, 0->1 twice then
+        # 1->2 hangs unless process 2 also calls the first two).
+        return jax.device_put(x, sharding)
     if is_local(x.sharding) or is_local(sharding):
         return jax.device_put(x, sharding)
     return placeholder(x.shape, x.dtype, sharding)
