@@ -8,6 +8,7 @@ the intra-host or the inter-host :class:`Link`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -394,6 +395,14 @@ def _is_number(value: Any) -> bool:
 
 
 def _dtype_name(dtype: Any) -> str:
+    """The canonical name of `dtype` (memoized: the intra-op builder asks ~10^5 times)."""
+    try:
+        return _dtype_name_cached(dtype)
+    except TypeError:  # unhashable
+        return _dtype_name_uncached(dtype)
+
+
+def _dtype_name_uncached(dtype: Any) -> str:
     if isinstance(dtype, str):
         key = dtype.strip().lower()
         if key in _DTYPE_ALIASES:
@@ -406,6 +415,9 @@ def _dtype_name(dtype: Any) -> str:
         return np.dtype(dtype).name
     except TypeError:
         return str(dtype).lower()
+
+
+_dtype_name_cached = functools.lru_cache(maxsize=512)(_dtype_name_uncached)
 
 
 def _check_type(d: Mapping[str, Any], key: str, kind: type, where: str = "") -> None:

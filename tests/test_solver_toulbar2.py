@@ -218,3 +218,62 @@ def test_lagrangian_bound_is_valid(seed):
     lb, stats = lagrangian_bound(p, time_limit_s=2.5, upper_bound=want)
     assert lb is not None and lb <= want + 1e-6 * max(1.0, abs(want))
     assert lb >= stats.get("lp_bound", -np.inf) - 1e-6 * max(1.0, abs(want))
+
+
+def _dense_problem(seed: int, limit: bool) -> ShardingProblem:
+    """Like the compiler's layer problems on 2-D meshes: few nodes, dozens of strategies
+    each, dense pairwise costs (a complete graph on 6 nodes x 40 strategies: tens of
+    thousands of ILP nonzeros, nothing for the reductions to eliminate)."""
+    rng = np.random.default_rng(seed)
+    n, k = 6, 40
+    costs = tuple(rng.uniform(0.0, 1e-3, k) for _ in range(n))
+    usages = tuple(rng.integers(1, 100, k).astype(float) for _ in range(n))
+    intervals = np.array([[0, n]] * n, np.int64)
+    edges = np.array(list(itertools.combinations(range(n), 2)), np.int64)
+    ecosts = tuple(rng.uniform(0.0, 2e-3, (k, k)) for _ in edges)
+    p = ShardingProblem(costs, usages, intervals, edges, ecosts)
+    if not limit:
+        return p
+    return ShardingProblem(costs, usages, intervals, edges, ecosts,
+                           usage_limit=0.5 * sum(float(u.mean()) for u in usages))
+
+
+@pytest.mark.parametrize("limit", [False, True])
+def test_auto_solves_dense_small_problems_with_toulbar2_in_process(limit):
+    """"auto" gives a small problem whose ILP would be large (dense 2-D-mesh costs: HiGHS
+    took 12-13 s where toulbar2 took 0.2 s) to toulbar2 in this process: the proven
+    optimum, no worker processes, within the limit."""
+    from autopar.passes.solver.ilp import SECONDS_PER_NONZERO, model_nonzeros
+
+    p = _dense_problem(0, limit)
+    red, _ = reduce_problem(p)
+    assert red.num_nodes == 6 and model_nonzeros(red) * SECONDS_PER_NONZERO > 0.5
+    # The reference: toulbar2's worker path, with its proof (HiGHS needs about a minute).
+    want = solve(p, time_limit_s=60.0, backend="toulbar2")
+    assert want.status == "optimal" and want.lower_bound == pytest.approx(want.cost)
+    assert not want.stats["in_process"]
+    t0 = time.perf_counter()
+    sol = solve(p, time_limit_s=1.0)
+    assert time.perf_counter() - t0 < 2.5  # toulbar2's CPU timer: whole seconds
+    assert sol.stats["backend"] == "toulbar2" and sol.stats["in_process"]
+    assert "toulbar2 in process" in sol.stats["auto"]
+    assert sol.status == "optimal" and sol.feasible
+    assert sol.cost == pytest.approx(want.cost, rel=1e-6)
+    assert evaluate(p, sol.strategies) == (pytest.approx(sol.cost), True)
+
+
+def test_inline_timer_does_not_outlive_its_solve():
+    """An in-process solve cut short by toulbar2's CPU timer answers with what it has; the
+    timer is stopped afterwards (the next solve runs to its optimum, and CPU-bound work
+    after it is not interrupted)."""
+    from autopar.passes.solver.toulbar2 import solve_toulbar2
+
+    red, _ = reduce_problem(load_iopddl(DATA / "asplos-2025-iopddl-G.json.gz"))
+    x, _, status, stats = solve_toulbar2(red, time.perf_counter() + 0.6, inline=True)
+    assert stats["in_process"] and x is not None and status in ("feasible", "optimal")
+    p = _dense_problem(1, False)
+    sol = solve(p, time_limit_s=1.0)
+    assert sol.status == "optimal" and sol.stats["in_process"]
+    t0 = time.process_time()
+    while time.process_time() - t0 < 1.5:  # a stale CPU timer would fire here
+        pass

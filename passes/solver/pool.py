@@ -206,3 +206,46 @@ class _Batch:
         self.queues = [list(range(i, len(requests), size)) for i in range(size)]
         self.busy: dict[int, int] = {}  # worker index -> request index
         self.answers: list[Answer | None] = [None] * len(requests)
+
+
+class InlinePool:
+    """`WorkerPool`'s interface, one solve at a time in this process: for small exact
+    models, where a worker's start-up (0.2-0.4 s) costs more than the solve.
+
+    toulbar2's timer limits CPU seconds (whole seconds, at least 1) instead of the wall
+    clock: a request gets the seconds left before `deadline`, rounded up.  toulbar2 keeps
+    its options in process-wide state; every request sets all it relies on (tb2_worker).
+    """
+
+    size = 1
+    killed = 0
+
+    def __enter__(self) -> InlinePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def warm_up(self) -> None:
+        pass
+
+    def run(self, requests: list[Request], deadline: float,
+            stop_when: Callable[[Answer], float | None] | None = None,
+            ) -> list[Answer | None]:
+        """Answers to `requests` in order; those still waiting when `deadline` (or the one
+        `stop_when` brings forward) has passed get None."""
+        answers: list[Answer | None] = []
+        for req in requests:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                answers.append(None)
+                continue
+            model = {**req.base_arrays, **req.arrays}
+            meta = dict(req.meta, time_limit_s=max(1, int(-(-left // 1))))
+            ans = Answer(*tb2_worker.solve_inline(model, meta))
+            answers.append(ans)
+            if stop_when is not None:
+                new = stop_when(ans)
+                if new is not None:
+                    deadline = min(deadline, new)
+        return answers

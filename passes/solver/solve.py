@@ -33,6 +33,9 @@ _BOUND_SHARE = 0.12
 # Below this many seconds left after the reductions, toulbar2 (worker processes: start-up,
 # interrupt grace) gives way to the in-process ILP path.
 TOULBAR2_MIN_S = 3.0
+# "auto" on a problem under AUTO_TOULBAR2_MIN_NODES: toulbar2 in process when the ILP would
+# take longer than this (seconds; SECONDS_PER_NONZERO x its nonzeros): see _toulbar2_inline.
+AUTO_ILP_MAX_S = 2.0
 
 
 def solve(
@@ -62,7 +65,7 @@ def solve(
         raise ValueError(f"solve: time_limit_s must be positive, got {time_limit_s=}")
     if threads < 1:
         raise ValueError(f"solve: threads must be >= 1, got {threads=}")
-    backend = resolve_backend(backend, problem.num_nodes)
+    requested, backend = backend, resolve_backend(backend, problem.num_nodes)
     deadline = t0 + 0.91 * time_limit_s - 0.05  # contest: loading counts, finish by 0.95x
     stats: dict = {"backend": backend}
     red, rstats = reduce_problem(problem)
@@ -80,6 +83,11 @@ def solve(
     nz = model_nonzeros(red) if red.num_nodes else 0
     stats["ilp_nonzeros"] = nz
     remaining = deadline - t_red
+    if requested == "auto" and backend != "toulbar2" and _toulbar2_inline(red, nz, remaining):
+        stats["backend"] = "toulbar2"
+        stats["auto"] = (f"ILP of {nz:,} nonzeros (~{nz * SECONDS_PER_NONZERO:.1f} s): "
+                         "toulbar2 in process")
+        return _solve_toulbar2(problem, red, deadline, 1, verbose, stats, t0, inline=True)
     ilp_fits = red.num_nodes > 0 and nz * SECONDS_PER_NONZERO < 0.5 * remaining
     h_deadline = deadline
     if ilp_fits:
@@ -138,12 +146,28 @@ def _finish(problem: ShardingProblem, best, cost: float, ok: bool, lower: float 
     )
 
 
+def _toulbar2_inline(red, nonzeros: int, seconds_left: float) -> bool:
+    """Whether "auto" hands a problem it would give the ILP path (under
+    AUTO_TOULBAR2_MIN_NODES nodes) to toulbar2 in this process instead: when toulbar2 is
+    installed, the exact knapsack model fits, and the ILP would take more than
+    AUTO_ILP_MAX_S (or half the time left) to build and solve.  Dense pairwise costs (2-D
+    meshes: ~2,500 strategies over 65 nodes, 0.55 M nonzeros) take HiGHS 12-13 s and
+    toulbar2 0.2-0.6 s to the same optimum."""
+    from autopar.passes.solver.toulbar2 import exact_fits  # noqa: PLC0415
+
+    return (red.num_nodes > 0 and backend_available("toulbar2")
+            and nonzeros * SECONDS_PER_NONZERO > min(AUTO_ILP_MAX_S, 0.5 * seconds_left)
+            and exact_fits(red))
+
+
 def _solve_toulbar2(problem: ShardingProblem, red, deadline: float, threads: int,
-                    verbose: bool, stats: dict, t0: float, seed: int = 0) -> Solution:
+                    verbose: bool, stats: dict, t0: float, seed: int = 0,
+                    inline: bool = False) -> Solution:
     from autopar.passes.solver.toulbar2 import solve_toulbar2  # noqa: PLC0415
 
     if red.num_nodes:
-        s_red, lb, status, tstats = solve_toulbar2(red, deadline, seed, threads, verbose)
+        s_red, lb, status, tstats = solve_toulbar2(red, deadline, seed, threads, verbose,
+                                                   inline=inline)
         stats.update(tstats)
     else:
         s_red, lb, status = np.zeros(0, np.int64), 0.0, "optimal"
@@ -155,4 +179,7 @@ def _solve_toulbar2(problem: ShardingProblem, red, deadline: float, threads: int
         lower = cost
     elif lb is not None:
         lower = min(lb + red.offset, cost)
+        if ok and lower >= cost:
+            # toulbar2 proved nothing cheaper than the local-search answer exists.
+            status = "optimal"
     return _finish(problem, best, cost, ok, lower, status, stats, t0, verbose)

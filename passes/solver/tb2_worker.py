@@ -180,6 +180,7 @@ def solve_model(model: dict, meta: dict) -> tuple[dict, dict]:
         res = cfn.Solve(timeLimit=max(1, int(meta.get("time_limit_s", 0) or 0)))
         lb = float(cfn.GetDDualBound())
         complete = not bool(tb2.option.limited)  # no time, backtrack or LDS limit hit
+        cfn.CFN.timerStop()  # a CPU timer left running would interrupt the next solve
     except (tb2.Contradiction, RuntimeError, ValueError) as exc:
         if isinstance(exc, tb2.Contradiction):
             out["status"] = "infeasible"
@@ -202,6 +203,40 @@ def solve_model(model: dict, meta: dict) -> tuple[dict, dict]:
                 out["lower_bound"] = float(ub)
     out["seconds"] = time.perf_counter() - t0
     return arrays, out
+
+
+def solve_inline(model: dict, meta: dict) -> tuple[dict, dict]:
+    """`solve_model` in the calling process (pool.InlinePool), toulbar2's prints sent to
+    /dev/null.
+
+    toulbar2 prints through C stdio, whose buffer outlives the redirection: it is flushed
+    before file descriptor 1 is restored, or the text would land on the caller's stdout
+    later (in a solve worker that is the answer pipe, and a stray line there corrupts
+    the next answer's frame).
+    """
+    sys.stdout.flush()
+    _flush_c_stdio()
+    saved = os.dup(1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    try:
+        return solve_model(model, meta)
+    finally:
+        _flush_c_stdio()
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+
+
+def _flush_c_stdio() -> None:
+    """fflush(NULL): writes out every C stdio buffer of this process (C++ streams share
+    them by default)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library to load (not Linux or macOS)
+        pass
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ import numpy as np
 from autopar.passes.solver.cfn import live_set_constraints, reduced_model
 from autopar.passes.solver.heuristic import LocalSearch, heuristic, initial_strategies
 from autopar.passes.solver.penalty import penalty_search
-from autopar.passes.solver.pool import Answer, Request, WorkerPool
+from autopar.passes.solver.pool import Answer, InlinePool, Request, WorkerPool
 from autopar.passes.solver.reduce import Reduced
 from autopar.passes.solver.tb2_lns import tb2_lns
 
@@ -112,18 +112,23 @@ def solve_exact(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: float
 
 
 def solve_toulbar2(red: Reduced, deadline: float, seed: int = 0, threads: int = 2,
-                   verbose: bool = False) -> tuple[np.ndarray, float | None, str, dict]:
+                   verbose: bool = False, inline: bool = False,
+                   ) -> tuple[np.ndarray, float | None, str, dict]:
     """Best reduced-problem choice found by `deadline` (time.perf_counter()).
+
+    inline: solve in this process, one seed (pool.InlinePool), for small exact models
+    where worker start-up would cost more than the solve.
 
     Returns (choice, lower bound of the reduced problem or None, status, stats); status
     is "optimal" (proved by toulbar2), "feasible" (an answer from toulbar2) or
     "fallback" (the local-search answer: toulbar2 found nothing better).
     """
     t0 = time.perf_counter()
-    stats: dict = {"threads": threads}
+    stats: dict = {"threads": 1 if inline else threads, "in_process": inline}
     ls = LocalSearch(red, seed)
     # Workers are interrupted by `deadline` and killed _GRACE_S later if they ignore it.
-    deadline = deadline - _GRACE_S
+    if not inline:
+        deadline = deadline - _GRACE_S
     local: dict = {}
 
     def local_search(stop: float, max_stall: int = 200) -> None:
@@ -132,7 +137,7 @@ def solve_toulbar2(red: Reduced, deadline: float, seed: int = 0, threads: int = 
                                                use_lns=False)
         stats["heuristic_seconds"] = time.perf_counter() - t
 
-    with WorkerPool(threads, grace_s=_GRACE_S) as pool:
+    with InlinePool() if inline else WorkerPool(threads, grace_s=_GRACE_S) as pool:
         large = not exact_fits(red)
         if deadline - t0 > _MIN_TOULBAR2_S:
             pool.warm_up()  # worker start-up overlaps the local search
