@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding
 from autopar.cost_model import hlo_audit
 from autopar.graph import Graph, Lit, is_float
 
-from . import outer, schedules
+from . import outer, schedules, transfer
 from .layer import differentiable_values
 from .microbatch import micro_slice
 from .pipeline import SplitStep, program_for_range
@@ -82,6 +82,14 @@ class PipelineRuntime:
         self._splitters = [self._splitter(st) for st in self.stages]
         self.pre, self.post = self._outer(ties, donate)
         self.in_flight_max: list[int] = [0] * len(self.stages)
+        # Emulated CPU devices in one process: a step returns once its results are ready.
+        # With the next step dispatched while this one runs, XLA's CPU client interleaved
+        # the two steps' programs differently on different devices and an all-gather
+        # waited forever for its last device (1 stage on 8 devices, the 5th unblocked step,
+        # jax 0.10.2); pipelined steps on other platforms stay asynchronous, and several
+        # processes dispatch synchronously already (distributed.initialize).
+        self._wait_for_step = (not transfer.multi_process() and all(
+            d.platform == "cpu" for m in self.meshes for d in m.devices.flat))
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -148,7 +156,7 @@ class PipelineRuntime:
         outer.run(self.pre, env)
         full = {vid: (src.val if isinstance(src, jcore.Literal) else env[src])
                 for vid, src in zip(self.f_inputs, self.f_source)}
-        static = [tuple(outer.place(full[v], st.input_shardings[v])
+        static = [tuple(_stage_input(full[v], st.input_shardings[v])
                         for v in st.static_ids) for st in self.stages]
         parts: dict[tuple[int, int], list[Any]] = {}
         for s, (vids, fn) in enumerate(self._splitters):
@@ -199,7 +207,10 @@ class PipelineRuntime:
                   for op in graph.outvars]
         env.update(zip(marker.outvars, values + grads))
         outer.run(self.post, env)
-        return [v.val if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
+        outs = [v.val if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
+        if self._wait_for_step:
+            jax.block_until_ready(outs)
+        return outs
 
     def _finalize(self, acc: list) -> tuple[list[Any], dict[int, Any]]:
         """Each stage's accumulators reduced once (finalize): the gradients in the marker's
@@ -368,3 +379,14 @@ class PipelineLowered:
                     for v, sh in zip(seg.inputs, seg.in_shardings)]
             segments.append((seg.stage, seg.fn.lower(*args).compile()))
         return PipelineCompiled(tuple(stages), tuple(segments), rt.num_micro_batches, rt.plan)
+
+
+def _stage_input(x: Any, sharding: Sharding) -> Any:
+    """A step input (parameters, state) laid out for a stage.  Across processes a copy is
+    moved, not the input itself: the receiving process reads a cross-process copy later,
+    and apply-grad may donate (delete) the input before it has ("CopyRawSubBufferToHost()
+    called on deleted or donated buffer" in 1 of 8 runs of a 2-process pipeline)."""
+    if transfer.multi_process() and isinstance(x, jax.Array) and x.sharding != sharding:
+        x = x.copy()
+    return outer.place(x, sharding)
+

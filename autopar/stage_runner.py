@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.graph import Graph, is_float
+from autopar.passes.sharding_spec import Spec
 
 from . import transfer
 from .emit import Constraints, to_pspec
@@ -103,6 +104,7 @@ class StageRunner:
         # accumulators too (integer ones keep the last micro-batch's value).
         self.f_out_ids = tuple(v for v in self.program.outputs if v in f_outputs)
         self._grad_parts = self._discover_grad_parts()
+        self._grad_specs = self._planned_grad_specs()
         acc_sh = self.accumulator_shardings()
         out_sh = [self.output_sharding(v) for v in self.f_out_ids]
         # Every program's outputs have explicit layouts: across processes, the ones that do
@@ -226,11 +228,27 @@ class StageRunner:
         v = self.graph.values[vid]
         return jax.ShapeDtypeStruct(v.shape, v.dtype)
 
+    def _planned_grad_specs(self) -> dict[int, Spec]:
+        """Per parameter, the layout its layer's plan gives its gradient (the first layer
+        that reads it: the backward adds the later layers' contributions into it)."""
+        out: dict[int, Spec] = {}
+        plans = self.plan.layer_plans or []
+        for layer, lp in zip(reversed(self.layers), reversed(plans)):
+            prog = layer.program
+            specs = dict(lp.value_specs)
+            for op, vid in zip(prog.fb.outvars[prog.num_outs:], prog.fn.diff_ids):
+                if vid in self.param_ids and isinstance(op, int) and op in specs:
+                    out[vid] = specs[op]
+        return out
+
     def accumulator_shardings(self) -> list[dict[tuple[str, ...], NamedSharding]]:
+        """The accumulators' layouts: each gradient as its layer's plan computes it (partial
+        sums stacked on a leading axis), so that adding a micro-batch's gradient moves no
+        data; `finalize` reduces and lays them out as the parameters once per step."""
         out = []
         specs = dict(self.plan.input_specs)
         for v in self.param_ids:
-            spec = specs.get(v, ((),) * self.graph.values[v].ndim)
+            spec = self._grad_specs.get(v) or specs.get(v, ((),) * self.graph.values[v].ndim)
             out.append({axes: NamedSharding(self.mesh, to_pspec(
                 stacked_spec(spec, axes) if axes else spec)) for axes in self._grad_parts[v]})
         return out

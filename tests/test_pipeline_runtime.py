@@ -144,3 +144,65 @@ def test_pipeline_equivalence_more_models(name, stages, schedule, optimizer):
         cluster=cheap_comm_cluster())
     tol = TOL if optimizer == "sgd" else dict(rtol=1e-3, atol=1e-4)
     assert_same_micro_batched_run(case, step, 4, **tol)
+
+
+_UNBLOCKED_STEPS = r'''
+import sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import flax.linen as nn
+import optax
+import autopar
+from autopar import runtime
+
+if sys.argv[1] == "no-wait":   # the runtime as it was: steps overlap
+    init = runtime.PipelineRuntime.__init__
+    def no_wait(self, *a, **k):
+        init(self, *a, **k)
+        self._wait_for_step = False
+    runtime.PipelineRuntime.__init__ = no_wait
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(4):
+            x = nn.relu(nn.Dense(512)(x))
+        return nn.Dense(16)(x)
+
+model, tx = MLP(), optax.adam(1e-3)
+def step(state, batch):
+    def loss_fn(p):
+        logits = model.apply({"params": p}, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = autopar.value_and_grad(loss_fn)(state["params"])
+    updates, opt = tx.update(grads, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+k = jax.random.split(jax.random.key(0), 3)
+batch = {"x": jax.random.normal(k[0], (256, 512)), "y": jax.random.randint(k[1], (256,), 0, 16)}
+params = model.init(k[2], batch["x"])["params"]
+state = {"params": params, "opt": tx.init(params)}
+par = autopar.parallelize(step, method=autopar.PipeshardParallel(
+    num_micro_batches=4, num_stages=1, time_limit_s=5.0))
+losses = []
+for _ in range(12):   # no block_until_ready between steps, as a training loop is written
+    state, loss = par(state, batch)
+    losses.append(loss)
+print("losses", [round(float(x), 4) for x in losses], flush=True)
+'''
+
+
+def test_unblocked_steps_on_cpu_devices_do_not_deadlock(tmp_path):
+    # A training loop that never waits for a step: with the steps' programs overlapping,
+    # XLA's CPU client deadlocked in an all-gather on the 5th step (1 stage on 8 emulated
+    # devices).  The runtime now returns each CPU step once it is done.  In a child
+    # process: a deadlock ends in XLA's fatal rendezvous timeout, which would take pytest
+    # down with it.
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _UNBLOCKED_STEPS, "wait"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = eval(proc.stdout.split("losses", 1)[1])  # noqa: S307 (our own print)
+    assert len(losses) == 12 and losses[-1] < losses[0]
