@@ -280,8 +280,16 @@ class ParallelizedFunction:
         if fixed is None and self.method.num_micro_batches == "auto":
             from . import micro_batches
 
-            return micro_batches.search(self, dynamic, static, positions, in_tree, cluster,
-                                        device_ids)
+            def search_counts() -> Traced:
+                return micro_batches.search(self, dynamic, static, positions, in_tree,
+                                            cluster, device_ids)
+
+            if not distributed.spans_processes(devices):
+                return search_counts()
+            # Across processes, process 0 chooses the count (the searches could differ);
+            # every process then traces at that count and checks the plan like a given one.
+            fixed = distributed.one_plan(None, devices, lambda: search_counts().plan,
+                                         lambda plan: plan, None)
         pipelined = bool(fixed.stages) if fixed is not None else self.method.pipelined
         micro = fixed.num_micro_batches if fixed is not None else self.method.num_micro_batches
         traced, split, fp = self._trace_for(dynamic, static, positions, in_tree, micro,

@@ -235,7 +235,7 @@ def plan_hash(plan: Plan) -> str:
 _exchange_ids = itertools.count()
 
 
-def one_plan(fp: str, devices: Sequence[jax.Device] | None, search: Callable[[], Plan],
+def one_plan(fp: str | None, devices: Sequence[jax.Device] | None, search: Callable[[], Plan],
              check: Callable[[Plan], Plan], fixed: Plan | None) -> Plan:
     """The plan every process runs.
 
@@ -245,7 +245,9 @@ def one_plan(fp: str, devices: Sequence[jax.Device] | None, search: Callable[[],
     raises for a plan that does not fit the program, e.g. `FingerprintError`).  Then every
     process publishes the fingerprint and plan hash it will run and compares them with
     everyone's; any difference or error raises `PlanError` in every process, before the
-    first step.
+    first step.  With `fp` None, process 0's plan decides what is traced (e.g. its
+    micro-batch count under num_micro_batches="auto"): the caller traces accordingly and
+    checks the plan afterwards.
     """
     if not spans_processes(devices):
         return check(fixed) if fixed is not None else search()
@@ -268,7 +270,7 @@ def one_plan(fp: str, devices: Sequence[jax.Device] | None, search: Callable[[],
             if "error" in sent:
                 raise PlanError(f"process 0 could not plan this step: {sent['error']}")
             plan = Plan.from_json(sent["plan"], source="process 0's plan")
-        if plan.fingerprint != fp:
+        if fp is not None and plan.fingerprint != fp:
             raise PlanError(
                 f"process {rank} traced a different program than process 0 (fingerprint {fp} "
                 f"here, {plan.fingerprint} in process 0's plan): every process must call the "
@@ -281,7 +283,7 @@ def one_plan(fp: str, devices: Sequence[jax.Device] | None, search: Callable[[],
         with contextlib.suppress(Exception):
             store.put(f"{key}/ack/{rank}", {"error": f"{type(err).__name__}: {err}"})
         raise
-    mine = {"fingerprint": fp, "plan": plan_hash(plan)}
+    mine = {"fingerprint": plan.fingerprint if fp is None else fp, "plan": plan_hash(plan)}
     store.put(f"{key}/ack/{rank}", mine)
     acks = {k: store.get(f"{key}/ack/{k}", _plan_timeout_s(), f"process {k}'s plan check")
             for k in range(count) if k != rank}

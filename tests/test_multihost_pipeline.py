@@ -23,9 +23,10 @@ MICRO = 4
 TIME_LIMIT = "2"  # per ILP, seconds
 
 
-def _run(tmp_path, name: str, processes: int, devices: int, stages: int) -> list[dict]:
+def _run(tmp_path, name: str, processes: int, devices: int, stages: int,
+         micro: int | str = MICRO) -> list[dict]:
     run_processes(SCRIPTS / "train.py", name, tmp_path, "--methods", "pipeshard",
-                  "--micro-batches", MICRO, "--stages", stages, "--time-limit", TIME_LIMIT,
+                  "--micro-batches", micro, "--stages", stages, "--time-limit", TIME_LIMIT,
                   processes=processes, devices_per_process=devices, timeout_s=240)
     infos = ranks_json(tmp_path, processes)
     assert_one_plan_across(infos, processes, devices)
@@ -48,3 +49,14 @@ def test_four_stages_over_four_processes(tmp_path):
     # cover every process
     assert sorted({p for st in infos[0]["stage_processes"] for p in st}) == [0, 1, 2, 3]
     assert_equals_reference("gpt", tmp_path, micro=MICRO)
+
+
+def test_auto_micro_batch_count_is_chosen_once(tmp_path):
+    # num_micro_batches="auto": process 0 tries the counts and chooses; process 1 traces
+    # at its choice and checks the plan, so both run one plan (two separate searches under
+    # ILP time limits could choose differently).
+    infos = _run(tmp_path, "gpt", processes=2, devices=4, stages=2, micro="auto")
+    micro = infos[0]["num_micro_batches"]
+    assert {i["num_micro_batches"] for i in infos} == {micro}
+    assert all(i["micro_batch_tries"] >= 2 for i in infos)  # the tries came with the plan
+    assert_equals_reference("gpt", tmp_path, micro=micro)

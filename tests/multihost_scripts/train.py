@@ -62,7 +62,8 @@ def main() -> int:
     parser.add_argument("out", type=pathlib.Path)
     parser.add_argument("--methods", default="shard")
     parser.add_argument("--time-limit", type=float, default=None)
-    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--micro-batches", type=lambda v: v if v == "auto" else int(v),
+                        default=4)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--kill-rank", type=int, default=None)
@@ -118,6 +119,8 @@ def main() -> int:
     with open(args.out / f"rank{rank}.json", "w") as f:
         json.dump({"fingerprint": plan.fingerprint, "plan": dist.plan_hash(plan),
                    "method": plan.method, "mesh_shape": list(plan.mesh_shape),
+                   "num_micro_batches": plan.num_micro_batches,
+                   "micro_batch_tries": len(plan.solver.get("micro_batch_tries", [])),
                    "losses": losses, "rows": rows,
                    "local_devices": [d.id for d in jax.local_devices()],
                    # state leaves of which this process holds only a part (kept sharded)
