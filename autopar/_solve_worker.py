@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+MAX_FRAME_BYTES = 1 << 40  # 1 TiB: far above any problem, far below 8 bytes of ASCII text
+
 
 def write_frame(fd: int, payload: bytes) -> None:
     data = struct.pack("<Q", len(payload)) + payload
@@ -41,6 +43,9 @@ def read_frame(fd: int) -> bytes | None:
     if head is None:
         return None
     (size,) = struct.unpack("<Q", head)
+    if size > MAX_FRAME_BYTES:  # not a length we wrote: text on the stream (a stray print)
+        raise OSError(f"solver worker stream: frame of {size:,} bytes announced, at most "
+                      f"{MAX_FRAME_BYTES:,} expected (the stream is corrupt)")
     return _read_exact(fd, size)
 
 
@@ -125,7 +130,13 @@ def _import_solver(passes_dir: str):
 
 def main(passes_dir: str) -> None:
     solver = _import_solver(passes_dir)
-    fd_in, fd_out = sys.stdin.fileno(), sys.stdout.fileno()
+    fd_in = sys.stdin.fileno()
+    # Answers go to a private copy of stdout; file descriptor 1 itself is pointed at stderr,
+    # so that a backend printing from C (toulbar2, a MILP library) cannot write into the
+    # answer stream and leave the parent waiting for a frame that never ends.
+    fd_out = os.dup(sys.stdout.fileno())
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    sys.stdout = sys.stderr
     while True:
         frame = read_frame(fd_in)
         if frame is None:

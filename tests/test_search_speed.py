@@ -17,6 +17,7 @@ import autopar
 from autopar import micro_batches, models, plan_cache
 from autopar.passes.sharding_spec import MeshContext
 from autopar.passes.solver import InfeasibleError, ShardingProblem, solve
+from autopar.passes.solver.backend import backend_available
 from autopar.planner import is_mirror
 from autopar.solve_pool import SolvePool
 
@@ -44,6 +45,33 @@ def test_pool_answers_equal_the_in_process_solve():
         assert a.status == ref.status == "optimal"
         assert a.cost == pytest.approx(ref.cost, rel=1e-12)
         assert a.stats["worker"] is True and len(a.strategies) == p.num_nodes
+
+
+def dense_problem(seed: int, nodes: int = 5, k: int = 6) -> ShardingProblem:
+    """A complete graph: nothing for the reductions to remove, so an ILP backend runs."""
+    rng = np.random.default_rng(seed)
+    edges = np.array([(u, v) for u in range(nodes) for v in range(u + 1, nodes)])
+    return ShardingProblem(
+        node_costs=tuple(rng.random(k) for _ in range(nodes)),
+        node_usages=tuple(rng.random(k) for _ in range(nodes)),
+        intervals=np.array([(0, nodes)] * nodes), edges=edges,
+        edge_costs=tuple(rng.random((k, k)) for _ in edges), name=f"dense{seed}")
+
+
+@pytest.mark.skipif(not backend_available("highs"), reason="HiGHS is not installed")
+def test_pool_answers_survive_a_backend_that_prints():
+    """HiGHS prints a banner from C on the process's stdout; in a worker that must not
+    reach the answer stream (it did: the parent read the text as a frame length and waited
+    for ~2e18 bytes, and a suite run hung until CI's time ran out)."""
+    problems = [dense_problem(seed) for seed in range(3)]
+    with SolvePool(workers=1) as pool:
+        answers = [pool.submit(p, time_limit_s=10.0, backend="highs").result(timeout=60)
+                   for p in problems]
+    assert pool.solved_in_workers == len(problems)
+    for p, a in zip(problems, answers):
+        ref = solve(p, time_limit_s=10.0, backend="highs")
+        assert a.stats["worker"] and a.stats["backend"] == "highs"
+        assert a.cost == pytest.approx(ref.cost, rel=1e-9)
 
 
 def test_pool_raises_the_solvers_infeasible_error():
