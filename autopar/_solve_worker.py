@@ -130,13 +130,9 @@ def _import_solver(passes_dir: str):
 
 def main(passes_dir: str) -> None:
     solver = _import_solver(passes_dir)
-    fd_in = sys.stdin.fileno()
-    # Answers go to a private copy of stdout; file descriptor 1 itself is pointed at stderr,
-    # so that a backend printing from C (toulbar2, a MILP library) cannot write into the
-    # answer stream and leave the parent waiting for a frame that never ends.
-    fd_out = os.dup(sys.stdout.fileno())
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    sys.stdout = sys.stderr
+    from autopar.passes.solver.tb2_worker import private_stdout
+
+    fd_in, fd_out = sys.stdin.fileno(), private_stdout()
     while True:
         frame = read_frame(fd_in)
         if frame is None:

@@ -147,20 +147,11 @@ def test_pipeline_equivalence_more_models(name, stages, schedule, optimizer):
 
 
 _UNBLOCKED_STEPS = r'''
-import sys
 import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import flax.linen as nn
 import optax
 import autopar
-from autopar import runtime
-
-if sys.argv[1] == "no-wait":   # the runtime as it was: steps overlap
-    init = runtime.PipelineRuntime.__init__
-    def no_wait(self, *a, **k):
-        init(self, *a, **k)
-        self._wait_for_step = False
-    runtime.PipelineRuntime.__init__ = no_wait
 
 class MLP(nn.Module):
     @nn.compact
@@ -201,7 +192,7 @@ def test_unblocked_steps_on_cpu_devices_do_not_deadlock(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", _UNBLOCKED_STEPS, "wait"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-c", _UNBLOCKED_STEPS], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = eval(proc.stdout.split("losses", 1)[1])  # noqa: S307 (our own print)

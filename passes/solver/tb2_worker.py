@@ -211,8 +211,7 @@ def solve_inline(model: dict, meta: dict) -> tuple[dict, dict]:
 
     toulbar2 prints through C stdio, whose buffer outlives the redirection: it is flushed
     before file descriptor 1 is restored, or the text would land on the caller's stdout
-    later (in a solve worker that is the answer pipe, and a stray line there corrupts
-    the next answer's frame).
+    later.
     """
     sys.stdout.flush()
     _flush_c_stdio()
@@ -239,15 +238,24 @@ def _flush_c_stdio() -> None:
         pass
 
 
+def private_stdout() -> int:
+    """A worker's answer channel: a private copy of stdout (returned), with file
+    descriptor 1 and `sys.stdout` pointed at stderr, so that a library printing from C
+    (toulbar2, HiGHS's banner) cannot write into the answer stream and leave the parent
+    waiting for a frame that never ends."""
+    fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return fd
+
+
 def main() -> None:
     """Serves requests from stdin until it closes; answers on the original stdout."""
     if sys.platform.startswith("linux"):  # die with the parent, even mid-solve
         import ctypes
 
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    proto_out = os.dup(1)
-    os.dup2(2, 1)  # toulbar2's own prints must not corrupt the protocol stream
-    sys.stdout = sys.stderr
+    proto_out = private_stdout()
     signal.signal(signal.SIGVTALRM, lambda *_: None)  # an early interrupt is a no-op
     cache: dict = {}
     while True:
