@@ -197,13 +197,25 @@ class ParallelizedFunction:
         if traced.plan.stages:
             out = traced.executable(*leaves)
             return jax.tree_util.tree_unflatten(traced.out_tree, out)
-        executable = traced.executable
         donated = set(traced.donated_leaves())
-        leaves = [outer.place(x, sh, private=k in donated)
-                  for k, (x, sh) in enumerate(zip(leaves, traced._shardings("in")))]
-        out = executable(*leaves)
-        self._fast = traced.fast_call()
-        return jax.tree_util.tree_unflatten(traced.out_tree, out)
+        # The first call already goes through the fast path's jit (calling the plan's own
+        # jit first compiled the same program twice).  Donated arguments are laid out on
+        # private copies (the caller's arrays stay valid), committed ones moved (jit refuses
+        # a committed array in another layout); uncommitted ones go as they are, as they
+        # will on later calls (a laid-out batch has another type: a second compile).
+        spans = transfer.multi_process()
+        shardings = traced._shardings("in")
+        moving = [k for k, x in enumerate(leaves)
+                  if k in donated or spans or getattr(x, "committed", False)]
+        for k, x in zip(moving, outer.place_all([leaves[k] for k in moving],
+                                                [shardings[k] for k in moving])):
+            leaves[k] = x
+        placed = list(args)
+        for pos, x in zip(traced._positions, jax.tree_util.tree_unflatten(traced.in_tree,
+                                                                           leaves)):
+            placed[pos] = x
+        self._fast = fast = traced.fast_call()
+        return fast(*placed)
 
     def trace(self, *args) -> Traced:
         """The step traced and planned for these arguments (arrays or

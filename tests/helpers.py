@@ -26,12 +26,27 @@ def cheap_comm_cluster() -> autopar.ClusterSpec:
     return dataclasses.replace(base, intra_host=CHEAP_COMM, inter_host=CHEAP_COMM)
 
 
+_REFERENCES: dict[tuple, tuple] = {}
+
+
+def _reference(case, kind: tuple, run) -> tuple:
+    """`run()`'s (state, losses) on the host, once per process for cases with a key (tests
+    of one model on several meshes or methods share the jax.jit reference run)."""
+    if not case.key:
+        return run()
+    key = (case.key, *kind)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = jax.device_get(run())
+    return _REFERENCES[key]
+
+
 def assert_same_run(case, parallel_step, *, steps: int = 3, rtol: float, atol: float):
     """Runs `steps` optimizer steps under jax.jit and under `parallel_step` from the same
     state and batches; losses and every state leaf must agree."""
     state, _ = case.init()
     batches = [case.batch_for_step(i) for i in range(steps)]
-    ref_state, ref_losses = run_steps(jax.jit(case.step), state, batches)
+    ref_state, ref_losses = _reference(
+        case, ("jit", steps), lambda: run_steps(jax.jit(case.step), case.init()[0], batches))
     par_state, par_losses = run_steps(parallel_step, state, batches)
     np.testing.assert_allclose(par_losses, ref_losses, rtol=rtol, atol=atol)
     ref_leaves, ref_tree = jax.tree_util.tree_flatten(ref_state)
@@ -62,14 +77,18 @@ def assert_same_micro_batched_run(case, parallel_step, num: int, **tol):
     """Like assert_same_run, against the jitted step that averages over the same splits."""
     import models
 
-    saved = models.GRAD.value_and_grad
-    models.GRAD.value_and_grad = micro_batch_value_and_grad(num)
-    try:
-        state, _ = case.init()
-        batches = [case.batch_for_step(i) for i in range(3)]
-        ref_state, ref_losses = run_steps(jax.jit(case.step), state, batches)
-    finally:
-        models.GRAD.value_and_grad = saved
+    state, _ = case.init()
+    batches = [case.batch_for_step(i) for i in range(3)]
+
+    def reference():
+        saved = models.GRAD.value_and_grad
+        models.GRAD.value_and_grad = micro_batch_value_and_grad(num)
+        try:
+            return run_steps(jax.jit(case.step), case.init()[0], batches)
+        finally:
+            models.GRAD.value_and_grad = saved
+
+    ref_state, ref_losses = _reference(case, ("micro", num), reference)
     par_state, par_losses = run_steps(parallel_step, state, batches)
     np.testing.assert_allclose(par_losses, ref_losses, **tol)
     for r, p in zip(jax.tree.leaves(ref_state), jax.tree.leaves(par_state)):

@@ -14,6 +14,7 @@ deterministically from the step index by ``Case.batch_for_step``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -47,6 +48,34 @@ class Case:
     init: Callable[[], tuple]  # () -> (state, batch)
     step: Callable  # step(state, batch) -> (new_state, {"loss": ...}); pure, not jitted
     batch_for_step: Callable[[int], dict]  # deterministic batch for step i
+    key: tuple = ()  # the builder and its arguments (equal keys: equal cases); () = unknown
+
+
+_INITS: dict[tuple, tuple] = {}
+
+
+def _memo_init(builder: Callable[..., Case]) -> Callable[..., Case]:
+    """The case's `init` computed once per process for each set of builder arguments (GPT
+    and conv+BatchNorm compile their init for 2-4 s: most tests call it 2-3 times), kept as
+    host arrays; every call returns fresh device arrays (a step may donate them)."""
+
+    @functools.wraps(builder)
+    def build(*args, **kwargs) -> Case:
+        case = builder(*args, **kwargs)
+        key = (builder.__name__, args, tuple(sorted(kwargs.items())))
+
+        def init() -> tuple:
+            if key not in _INITS:
+                out = case.init()
+                if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(out)):
+                    return out   # called under a trace (jax.eval_shape): nothing to keep
+                _INITS[key] = jax.device_get(out)
+            return jax.tree.map(
+                lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, _INITS[key])
+
+        return dataclasses.replace(case, init=init, key=key)
+
+    return build
 
 
 def make_optimizer(name: str) -> optax.GradientTransformation:
@@ -127,6 +156,7 @@ class MLP(nn.Module):
         return nn.Dense(self.num_classes)(x)
 
 
+@_memo_init
 def mlp_case(batch=16, hidden=32, layers=2, optimizer="sgd", num_classes=8, in_features=None):
     """Dense-relu stack; input width defaults to ``hidden``."""
     in_features = hidden if in_features is None else in_features
@@ -142,6 +172,7 @@ def _grad_at_call_time(*args, **kwargs):
     return GRAD.value_and_grad(*args, **kwargs)
 
 
+@_memo_init
 def gpt_case(optimizer="sgd", batch=16, seq=16, hidden=32, heads=4, vocab=64, tied=True):
     """The zoo's GPT (`autopar.models.GPT_TINY`: 2 layers, float32, no remat) at these sizes;
     its next-token train step with this optimizer."""
@@ -186,6 +217,7 @@ class ConvBN(nn.Module):
         return nn.Dense(self.num_classes)(x)
 
 
+@_memo_init
 def convbn_case(optimizer="sgd", batch=16, size=8, num_classes=8):
     model = ConvBN(num_classes=num_classes)
     batch_for_step = _classification_batches(3, batch, (size, size, 3), num_classes)
@@ -238,6 +270,7 @@ class MoEClassifier(nn.Module):
         return nn.Dense(self.num_classes, name="out_proj")(x.mean(axis=1))
 
 
+@_memo_init
 def moe_case(optimizer="sgd", batch=16, seq=8, in_features=16, num_classes=8):
     """4 experts of FFN width 2 x hidden 32, top-2 with GShard's capacity (2·seq/4 slots)."""
     cfg = MoEConfig(hidden=32, layers=1, experts=4, seq=seq, group=seq, ffn=2, dtype="float32")
@@ -274,6 +307,7 @@ class ScanModel(nn.Module):
         return nn.Dense(self.num_classes, name="out_proj")(x)
 
 
+@_memo_init
 def scan_case(optimizer="sgd", batch=16, hidden=32, num_classes=8):
     batches = _classification_batches(5, batch, (hidden,), num_classes)
     return _simple_case("scan", ScanModel(hidden=hidden), batches, optimizer)
@@ -307,6 +341,7 @@ class RematDropoutModel(nn.Module):
         return nn.Dense(self.num_classes, name="out_proj")(nn.LayerNorm()(x))
 
 
+@_memo_init
 def remat_dropout_case(optimizer="sgd", batch=16, hidden=32, num_classes=8):
     model = RematDropoutModel(hidden=hidden, num_classes=num_classes)
     batch_for_step = _classification_batches(6, batch, (hidden,), num_classes)
@@ -352,6 +387,7 @@ class NNXMLP(nnx.Module):
         return self.head(self.norm(x))
 
 
+@_memo_init
 def nnx_mlp_case(optimizer="sgd", batch=16, hidden=32, layers=2, num_classes=8):
     """flax.nnx model; params are carried as a pure nested dict of arrays.
 
