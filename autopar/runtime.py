@@ -90,6 +90,13 @@ class PipelineRuntime:
         # processes dispatch synchronously already (distributed.initialize).
         self._wait_for_step = (not transfer.multi_process() and all(
             d.platform == "cpu" for m in self.meshes for d in m.devices.flat))
+        # One stage whose schedule runs each micro-batch's forward then its backward (1F1B):
+        # nothing overlaps, and the whole stage step is one program (`fused_step`).
+        alternating = tuple(("fwd" if k % 2 == 0 else "bwd", 0, k // 2)
+                            for k in range(2 * n))
+        self.fused = (len(self.stages) == 1 and self.stages[0].can_fuse(self.batch_vids)
+                      and tuple((t.kind, t.stage, t.micro_batch) for t in self.order)
+                      == alternating)
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -149,7 +156,7 @@ class PipelineRuntime:
     # ---- one step ---------------------------------------------------------------------------
 
     def __call__(self, *flat_args: Any) -> list[Any]:
-        split, graph = self.split, self.graph
+        split = self.split
         jaxpr = split.step.jaxpr
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, split.step.consts))
         env.update(zip(jaxpr.invars, flat_args))
@@ -158,6 +165,11 @@ class PipelineRuntime:
                 for vid, src in zip(self.f_inputs, self.f_source)}
         static = [tuple(_stage_input(full[v], st.input_shardings[v])
                         for v in st.static_ids) for st in self.stages]
+        if self.fused:
+            st = self.stages[0]
+            batch = [outer.place(full[v], st.input_shardings[v]) for v in st.micro_ids]
+            self.in_flight_max = [1]
+            return self._finish(env, full, [st.fused_step(static[0], batch)])
         parts: dict[tuple[int, int], list[Any]] = {}
         for s, (vids, fn) in enumerate(self._splitters):
             if fn is not None:
@@ -201,7 +213,16 @@ class PipelineRuntime:
                     cts[(v, m)] = g
                 for v in st.float_outs + st.int_outs:   # consumers' forwards are done
                     acts.pop((v, m), None)
-        grads, means = self._finalize(acc)
+        return self._finish(env, full, [st.finalize(a) if st.local else st.remote_finalize()
+                                        for st, a in zip(self.stages, acc)])
+
+    def _finish(self, env: dict[Any, Any], full: dict[int, Any],
+                reduced: list[tuple[list, list]]) -> list[Any]:
+        """The step after the stages: their reduced gradients and F outputs (`reduced`, per
+        stage) into the marker's outputs, then apply-grad; the step's outputs."""
+        split, graph = self.split, self.graph
+        jaxpr = split.step.jaxpr
+        grads, means = self._finalize(reduced)
         marker = split.marker_eqn
         values = [op.value if isinstance(op, Lit) else means[op] if op in means else full[op]
                   for op in graph.outvars]
@@ -212,14 +233,13 @@ class PipelineRuntime:
             jax.block_until_ready(outs)
         return outs
 
-    def _finalize(self, acc: list) -> tuple[list[Any], dict[int, Any]]:
-        """Each stage's accumulators reduced once (finalize): the gradients in the marker's
-        order (a parameter read by several stages summed on its owner), and F's outputs
-        averaged over the micro-batches, by value id."""
+    def _finalize(self, reduced: list[tuple[list, list]]) -> tuple[list[Any], dict[int, Any]]:
+        """Each stage's reduced accumulators (what `finalize` returned) → the gradients in
+        the marker's order (a parameter read by several stages summed on its owner), and
+        F's outputs averaged over the micro-batches, by value id."""
         by_param: dict[int, Any] = {}
         means: dict[int, Any] = {}
-        for st, a in zip(self.stages, acc):
-            grads, outs = st.finalize(a) if st.local else st.remote_finalize()
+        for st, (grads, outs) in zip(self.stages, reduced):
             means.update(zip(st.f_out_ids, outs))
             for v, g in zip(st.param_ids, grads):
                 owner = self.stages[self.owner[v]]
@@ -280,13 +300,16 @@ class PipelineRuntime:
 @dataclasses.dataclass(frozen=True)
 class StageCompiled:
     """JAX's compiled programs of one stage: `forward` and `backward` run once per
-    micro-batch, `zeros` and `finalize` (the gradient reduction) once per step."""
+    micro-batch, `zeros` and `finalize` (the gradient reduction) once per step; or, when
+    the step runs the stage as one program (`step`, a one-stage 1F1B pipeline), that
+    program once per step (the four others are compiled for inspection, not run)."""
 
     stage: int
     forward: Any
     backward: Any
     zeros: Any
     finalize: Any
+    step: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +332,9 @@ class PipelineCompiled:
         """(name, stage, compiled, calls per step) of every program."""
         out = []
         for c in self.stages:
+            if c.step is not None:
+                out.append(("step", c.stage, c.step, 1))
+                continue
             out += [("forward", c.stage, c.forward, self.num_micro_batches),
                     ("backward", c.stage, c.backward, self.num_micro_batches),
                     ("zeros", c.stage, c.zeros, 1), ("finalize", c.stage, c.finalize, 1)]
@@ -342,10 +368,11 @@ class PipelineCompiled:
         in_flight = sched.max_in_flight()
         out = []
         for c in self.stages:
-            bwd = c.backward.memory_analysis()
+            bwd = (c.step or c.backward).memory_analysis()
             peak = (bwd.argument_size_in_bytes + bwd.output_size_in_bytes
                     - bwd.alias_size_in_bytes + bwd.temp_size_in_bytes)
-            fwd = c.forward.memory_analysis()
+            # A one-program step holds its micro-batch's residuals in its temporaries.
+            fwd_out = 0 if c.step is not None else c.forward.memory_analysis().output_size_in_bytes
             extra_state = 0
             for s, seg in self.segments:
                 if s == c.stage:
@@ -355,7 +382,7 @@ class PipelineCompiled:
             # the parameters (as large as their gradients) are already in the backward's
             # arguments.
             params = c.finalize.memory_analysis().output_size_in_bytes
-            out.append(float(peak + (in_flight[c.stage] - 1) * fwd.output_size_in_bytes
+            out.append(float(peak + (in_flight[c.stage] - 1) * fwd_out
                              + max(0, extra_state - params)))
         return out
 
@@ -370,9 +397,10 @@ class PipelineLowered:
         rt = self.runtime
         stages = []
         for s, st in enumerate(rt.stages):
-            low = st.lower_all()
+            low = st.lower_all(fused=rt.fused)
             stages.append(StageCompiled(s, *(low[k].compile() for k in
-                                              ("forward", "backward", "zeros", "finalize"))))
+                                              ("forward", "backward", "zeros", "finalize")),
+                                        step=low["step"].compile() if rt.fused else None))
         segments = []
         for seg in rt.pre + rt.post:
             args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sh)

@@ -20,6 +20,7 @@ micro-batches: parameters, RNG keys, ...), passed as one tuple built once per st
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,8 +35,13 @@ from . import transfer
 from .emit import Constraints, to_pspec
 from .grad_accum import Deferral, DeferredBackward, GradSum, as_grad_sum, stacked_spec
 from .layer import LayerProgram
+from .microbatch import micro_slice
 from .pipeline import StageProgram, program_for_range
 from .plan import LayerPlan, StagePlan
+
+MAX_FUSED_MICRO_BATCHES = 64
+"""A one-stage step with more micro-batches runs its forward and backward programs per
+micro-batch: the fused program unrolls them, and its compile time grows with the count."""
 
 Ref = tuple[int, Any]
 """Where a residual comes from: (layer, fb value id) computed in the stage, or (-1, F id)
@@ -91,6 +97,7 @@ class StageRunner:
                                 if v in diff_values and is_float(values[v].dtype))
         self.loss_vid = loss_vid if loss_vid in self.float_outs else None
         self.scale = 1.0 / num_micro_batches
+        self.num_micro_batches = num_micro_batches
         self.layers = self._layers(diff_values, remat)
         self.refs = self._residual_refs()
         self.saved_refs = tuple(r for r in self.refs if r[0] != -1)
@@ -348,11 +355,51 @@ class StageRunner:
                 [x * jnp.asarray(self.scale, x.dtype) if is_float(x.dtype) else x
                  for x in out_acc])
 
+    # ---- one program for a whole step -------------------------------------------------------
+
+    def can_fuse(self, batch_ids: set[int]) -> bool:
+        """Whether the stage's step can run as one program (`fused_step`): it is the only
+        stage (every non-static input is a batch input; no cotangent comes in or goes out),
+        it runs on this process's devices, and its micro-batches are few enough to unroll
+        (`MAX_FUSED_MICRO_BATCHES`)."""
+        return (self.local and not transfer.multi_process() and not self.ct_receivers
+                and not self.act_ct_ids and all(v in batch_ids for v in self.micro_ids)
+                and self.num_micro_batches <= MAX_FUSED_MICRO_BATCHES)
+
+    @functools.cached_property
+    def fused_step(self):
+        """The step of a one-stage pipeline under 1F1B as one program: (static inputs, batch
+        inputs in the stage's layout) → what `finalize` returns.  Each micro-batch's forward
+        then its backward into the accumulators, unrolled as ShardParallel unrolls its
+        micro-batches (the audit then counts every collective): the same layer programs and
+        layouts as `forward` / `backward` / `zeros` / `finalize`, launched once per step
+        instead of 2N + 2 times."""
+        acc_sh = (self.accumulator_shardings(), [self.output_sharding(v)
+                                                 for v in self.f_out_ids])
+        micro_sh = [self.input_shardings[v] for v in self.micro_ids]
+        n = self.num_micro_batches
+
+        def step(static, batch):
+            acc = self._zeros()
+            for m in range(n):
+                micro = [jax.lax.with_sharding_constraint(micro_slice(x, n, m), sh)
+                         for x, sh in zip(batch, micro_sh)]
+                _, _, saved = self._forward(static, micro)
+                kept = [micro[k] for k in self.kept_positions]
+                _, acc = self._backward(static, kept, saved, [], acc)
+                acc = jax.lax.with_sharding_constraint(acc, acc_sh)
+            return self._finalize(acc)
+
+        return jax.jit(step, in_shardings=(
+            tuple(self.input_shardings[v] for v in self.static_ids), micro_sh), out_shardings=(
+            [self.input_shardings[v] for v in self.param_ids],
+            [self.output_sharding(v) for v in self.f_out_ids]))
+
     # ---- lowering ---------------------------------------------------------------------------
 
-    def lower_all(self) -> dict[str, Any]:
+    def lower_all(self, fused: bool = False) -> dict[str, Any]:
         """JAX `Lowered` of each program for one micro-batch (forward, backward) and one step
-        (zeros, finalize)."""
+        (zeros, finalize; and `fused_step` as "step" when `fused`)."""
         shard = lambda v: jax.ShapeDtypeStruct(self.graph.values[v].shape,
                                                self.graph.values[v].dtype,
                                                sharding=self.input_shardings[v])
@@ -373,8 +420,13 @@ class StageRunner:
                [jax.ShapeDtypeStruct(self.graph.values[v].shape, self.graph.values[v].dtype,
                                      sharding=self.output_sharding(v)) for v in self.f_out_ids])
         kept = [micro[k] for k in self.kept_positions]
-        return {"forward": fwd, "backward": self.backward.lower(static, kept, saved, cts, acc),
-                "zeros": self.zeros.lower(), "finalize": self.finalize.lower(acc)}
+        out = {"forward": fwd, "backward": self.backward.lower(static, kept, saved, cts, acc),
+               "zeros": self.zeros.lower(), "finalize": self.finalize.lower(acc)}
+        if fused:
+            batch = [jax.ShapeDtypeStruct((v.shape[0] * self.num_micro_batches,) + v.shape[1:],
+                                          v.dtype, sharding=v.sharding) for v in micro]
+            out["step"] = self.fused_step.lower(tuple(static), batch)
+        return out
 
 
 def _skip_sums(hook):

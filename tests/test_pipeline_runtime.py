@@ -1,9 +1,9 @@
 """The pipeline runtime runs the plan it priced, read off the compiled programs of one step.
 
 Every program a pipelined step runs (per stage: forward and backward per micro-batch, the
-accumulator reset and the gradient reduction per step; the apply-grad segments) is
-compiled and audited (`cost_model.hlo_audit`); collective bytes are summed over the calls of
-one step.
+accumulator reset and the gradient reduction per step, or all of them as one program for a
+single 1F1B stage; the apply-grad segments) is compiled and audited
+(`cost_model.hlo_audit`); collective bytes are summed over the calls of one step.
 """
 
 from __future__ import annotations
@@ -130,6 +130,35 @@ def test_transfers_are_priced_and_non_differentiable_values_get_no_cotangent():
     # The causal mask (computed from iota, not from the parameters) crosses the boundary
     # but gets no cotangent back.
     assert set(second.act_ct_ids) < set(floats), (second.act_ct_ids, floats)
+
+
+def test_one_stage_1f1b_step_is_one_program():
+    # One stage under 1F1B runs each micro-batch's forward then its backward: the runtime
+    # runs them, the accumulator reset and the reduction as one program per step (plus
+    # apply-grad), built from the same layer programs; GPipe keeps its schedule.
+    case = make_case("mlp", "sgd")
+    state, batch = case.init()
+    step = autopar.parallelize(case.step, method=autopar.PipeshardParallel(
+        num_micro_batches=4, num_stages=1, **FAST), cluster=cheap_comm_cluster())
+    assert step.trace(state, batch).executable.fused
+    compiled = step.lower(state, batch).compile()
+    assert {name for name, *_ in compiled.programs()} <= {"step", "apply"}
+    (stage,) = compiled.stages
+    plan = step.get_plan(state, batch)
+    mesh = (plan.stages[0].mesh_shape, plan.stages[0].mesh_axes)
+    fused = hlo_audit.audit(stage.step, *mesh).bytes_by_kind()
+    separate: dict[str, float] = {}
+    for prog, calls in [(stage.forward, 4), (stage.backward, 4), (stage.finalize, 1)]:
+        for kind, nbytes in hlo_audit.audit(prog, *mesh).bytes_by_kind().items():
+            separate[kind] = separate.get(kind, 0.0) + calls * nbytes
+    # Every collective of the separate programs, unrolled into one (XLA may merge some).
+    assert sum(fused.values()) <= sum(separate.values()) + 1e-6, (fused, separate)
+    assert sum(fused.values()) > 0
+    assert_same_micro_batched_run(case, step, 4, **TOL)
+    gpipe = autopar.parallelize(case.step, method=autopar.PipeshardParallel(
+        num_micro_batches=4, num_stages=1, schedule="gpipe", **FAST),
+        cluster=cheap_comm_cluster())
+    assert not gpipe.trace(state, batch).executable.fused
 
 
 @pytest.mark.parametrize("name,stages,schedule,optimizer", [
