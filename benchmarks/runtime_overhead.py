@@ -12,8 +12,9 @@ per-micro-batch work the plan did not price):
 * ShardParallel on 1 device against `jax.jit` of the same step, on a ~10 ms step and on a
   ~100 µs step.
 
-Median wall time of `--steps` steps after two warm-up steps, all rows of a table measured
-in one run, side by side.  Writes benchmarks/results/runtime_overhead.md and .json.
+Median wall time of `--steps` steps after two warm-up steps; a model's pipeline rows take
+their steps in turns (one step of each row, `--steps` times), so that the shared machine's
+slow spells land on every row alike.  Writes benchmarks/results/runtime_overhead.md and .json.
 """
 
 from __future__ import annotations
@@ -92,6 +93,29 @@ def _time(step: Callable, state, batch, steps: int) -> float:
     return statistics.median(times)
 
 
+def _time_interleaved(steps_by_label: dict[str, Callable], state, batch,
+                      steps: int) -> dict[str, float]:
+    """Median seconds per step of each step function, their steps taken in turn (one of
+    each, `steps` times, after two warm-up steps each): a slow spell of the shared machine
+    then lands on every row alike."""
+    import jax
+
+    states = {}
+    for label, step in steps_by_label.items():
+        s = _copy(state)
+        for _ in range(2):
+            s, loss = step(s, batch)
+        states[label] = jax.block_until_ready(s)
+    times: dict[str, list[float]] = {label: [] for label in steps_by_label}
+    for _ in range(steps):
+        for label, step in steps_by_label.items():
+            t0 = time.perf_counter()
+            states[label], loss = step(states[label], batch)
+            jax.block_until_ready((states[label], loss))
+            times[label].append(time.perf_counter() - t0)
+    return {label: statistics.median(ts) for label, ts in times.items()}
+
+
 def _copy(tree):
     import jax
     import jax.numpy as jnp
@@ -118,11 +142,11 @@ def pipeline_rows(steps: int, quick: bool) -> list[dict]:
             "PipeshardParallel(4 µb, 2 stages)": autopar.PipeshardParallel(
                 num_micro_batches=4, num_stages=2, time_limit_s=10.0),
         }
-        times = {}
-        for label, method in methods.items():
-            par = autopar.parallelize(step, method=method)
-            times[label] = _time(par, _copy(state), batch, steps)
-            print(f"{name}: {label}: {times[label] * 1e3:.2f} ms", file=sys.stderr, flush=True)
+        pars = {label: autopar.parallelize(step, method=method)
+                for label, method in methods.items()}
+        times = _time_interleaved(pars, state, batch, steps)
+        for label, t in times.items():
+            print(f"{name}: {label}: {t * 1e3:.2f} ms", file=sys.stderr, flush=True)
         base = times["ShardParallel(4 µb)"]
         for label, t in times.items():
             rows.append({"model": name, "step": label, "ms": round(t * 1e3, 3),
@@ -160,7 +184,8 @@ def single_device_rows(steps: int) -> list[dict]:
 def markdown(pipe: list[dict], single: list[dict], steps: int) -> str:
     lines = ["# Runtime overhead (8 emulated CPU devices, one process)", "",
              f"`python -m benchmarks.runtime_overhead`: median of {steps} steps after two "
-             "warm-up steps, rows of a table measured side by side in one run.  The emulated "
+             "warm-up steps, the rows of a model measured in turns (one step of each, "
+             f"{steps} times).  The emulated "
              "devices share this machine's cores, so pipelining cannot speed anything up: the "
              "ratios measure overhead (goals: 1 stage ≤ 1.15, 2 stages ≤ 1.4 of "
              "ShardParallel with the same micro-batches; ShardParallel on 1 device ≤ 1.05 of "
