@@ -114,6 +114,10 @@ class StageRunner:
         self._grad_specs = self._planned_grad_specs()
         acc_sh = self.accumulator_shardings()
         out_sh = [self.output_sharding(v) for v in self.f_out_ids]
+        # (accumulators, F-output sums) as zeros / backward leave them; (gradients, F
+        # outputs) as finalize returns them.
+        self._acc_shardings = (acc_sh, out_sh)
+        self._reduced_shardings = ([self.input_shardings[v] for v in self.param_ids], out_sh)
         # Every program's outputs have explicit layouts: across processes, the ones that do
         # not run a stage still know where its results live (transfer.placeholder).
         self.local = transfer.is_local(NamedSharding(mesh, PartitionSpec()))
@@ -126,10 +130,9 @@ class StageRunner:
         # need a layout known to every process (the consumer's input layout).
         ct_sh = self.act_ct_shardings if transfer.multi_process() else None
         self.backward = jax.jit(self._backward, donate_argnums=(4,),
-                                out_shardings=(ct_sh, (acc_sh, out_sh)))
-        self.zeros = jax.jit(self._zeros, out_shardings=(acc_sh, out_sh))
-        self.finalize = jax.jit(self._finalize, out_shardings=(
-            [self.input_shardings[v] for v in self.param_ids], out_sh))
+                                out_shardings=(ct_sh, self._acc_shardings))
+        self.zeros = jax.jit(self._zeros, out_shardings=self._acc_shardings)
+        self.finalize = jax.jit(self._finalize, out_shardings=self._reduced_shardings)
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -227,9 +230,9 @@ class StageRunner:
 
     def remote_finalize(self) -> tuple[list, list]:
         """What `finalize` returns, elsewhere."""
-        return (self._placeholders(self.param_ids, [self.input_shardings[v]
-                                                    for v in self.param_ids]),
-                self._placeholders(self.f_out_ids, map(self.output_sharding, self.f_out_ids)))
+        grads_sh, outs_sh = self._reduced_shardings
+        return (self._placeholders(self.param_ids, grads_sh),
+                self._placeholders(self.f_out_ids, outs_sh))
 
     def _aval(self, vid: int) -> jax.ShapeDtypeStruct:
         v = self.graph.values[vid]
@@ -374,8 +377,7 @@ class StageRunner:
         micro-batches (the audit then counts every collective): the same layer programs and
         layouts as `forward` / `backward` / `zeros` / `finalize`, launched once per step
         instead of 2N + 2 times."""
-        acc_sh = (self.accumulator_shardings(), [self.output_sharding(v)
-                                                 for v in self.f_out_ids])
+        acc_sh = self._acc_shardings
         micro_sh = [self.input_shardings[v] for v in self.micro_ids]
         n = self.num_micro_batches
 
@@ -391,9 +393,8 @@ class StageRunner:
             return self._finalize(acc)
 
         return jax.jit(step, in_shardings=(
-            tuple(self.input_shardings[v] for v in self.static_ids), micro_sh), out_shardings=(
-            [self.input_shardings[v] for v in self.param_ids],
-            [self.output_sharding(v) for v in self.f_out_ids]))
+            tuple(self.input_shardings[v] for v in self.static_ids), micro_sh),
+            out_shardings=self._reduced_shardings)
 
     # ---- lowering ---------------------------------------------------------------------------
 

@@ -78,19 +78,9 @@ def _gpt_case():
 
 
 def _time(step: Callable, state, batch, steps: int) -> float:
-    """Median seconds per step (state threaded through, two warm-up steps)."""
-    import jax
-
-    for _ in range(2):
-        state, loss = step(state, batch)
-    jax.block_until_ready((state, loss))
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, loss = step(state, batch)
-        jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds per step (on a copy of the state, threaded through; two warm-up
+    steps)."""
+    return _time_interleaved({"": step}, state, batch, steps)[""]
 
 
 def _time_interleaved(steps_by_label: dict[str, Callable], state, batch,
@@ -171,8 +161,8 @@ def single_device_rows(steps: int) -> list[dict]:
             par = autopar.parallelize(step, devices=one)
             t_jit, t_par = [], []
             for _ in range(3):   # interleaved repeats: the machine is shared
-                t_jit.append(_time(jitted, _copy(state), batch, steps))
-                t_par.append(_time(par, _copy(state), batch, steps))
+                t_jit.append(_time(jitted, state, batch, steps))
+                t_par.append(_time(par, state, batch, steps))
         jit_s, par_s = statistics.median(t_jit), statistics.median(t_par)
         print(f"{name}: jit {jit_s * 1e6:.1f} µs, ShardParallel {par_s * 1e6:.1f} µs",
               file=sys.stderr, flush=True)
