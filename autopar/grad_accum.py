@@ -206,6 +206,38 @@ class DeferredBackward:
         return GradSum({axes: stacked})
 
 
+def reduce_to(parts: Mapping[tuple[str, ...], Any], spec: Spec, mesh: Mesh) -> Any:
+    """The sum of a gradient's `parts` laid out as `spec` on `mesh` (the step's one
+    reduction).  A stack of partial sums over axes A is reduce-scattered onto the dims of
+    `spec` that A's axes split (ZeRO's gradient layout) and all-reduced over the axes of A
+    that `spec` leaves whole, in one `jax.shard_map` over A — when every dim of `spec` that
+    an axis of A splits is split by axes of A only; otherwise it is summed and laid out by
+    the partitioner (which, on CPU, all-reduces and slices)."""
+    out = None
+    for axes, x in parts.items():
+        y = _scatter(x, axes, spec, mesh) if axes else x
+        out = y if out is None else out + y
+    return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, to_pspec(spec)))
+
+
+def _scatter(stack: Any, axes: tuple[str, ...], spec: Spec, mesh: Mesh) -> Any:
+    manual = set(axes)
+    dims = [d for d, on in enumerate(spec) if manual & set(on)]
+    if any(not set(spec[d]) <= manual for d in dims):
+        return stack.sum(axis=0)
+    whole = tuple(a for a in axes if not any(a in on for on in spec))
+
+    def local(x):
+        x = x[0]
+        for d in dims:
+            x = jax.lax.psum_scatter(x, tuple(spec[d]), scatter_dimension=d, tiled=True)
+        return jax.lax.psum(x, whole) if whole else x
+
+    out_spec = tuple(tuple(spec[d]) if d in dims else () for d in range(len(spec)))
+    return jax.shard_map(local, mesh=mesh, in_specs=to_pspec((axes,)),
+                         out_specs=to_pspec(out_spec), axis_names=manual)(stack)
+
+
 def as_grad_sum(x: Any) -> GradSum:
     return x if isinstance(x, GradSum) else GradSum({(): x})
 

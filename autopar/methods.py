@@ -111,6 +111,7 @@ class PipelineMethod(Method, Protocol):
     """A method that runs the step as pipeline stages on sub-meshes."""
 
     schedule: ScheduleName
+    shard_optimizer_state: bool
 
     def stage_layout(self, num_devices: int, devices_per_host: int) -> StageLayout:
         """The stage search's freedom on `num_devices` devices (`devices_per_host` each)."""
@@ -125,6 +126,11 @@ def _check_common(name: str, memory_budget_bytes, solver, time_limit_s) -> None:
     if memory_budget_bytes is not None and not memory_budget_bytes > 0:
         raise ValueError(f"{name}(memory_budget_bytes={memory_budget_bytes!r}) must be positive "
                          f"(or None for the device's memory)")
+
+
+def _check_flag(name: str, field: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}({field}={value!r}) must be True or False")
 
 
 def _check_count(name: str, field: str, value, allow_auto: bool = False) -> None:
@@ -277,6 +283,11 @@ class PipeshardParallel:
       submesh_shapes: explicit (hosts, devices) sub-mesh of every stage, in order; the
         search then only chooses the layer ranges.
       memory_budget_bytes / solver / time_limit_s: as in ShardParallel, per stage.
+      shard_optimizer_state: split each parameter's optimizer state, and its update, over
+        the stage's data-parallel mesh axes (ZeRO-2 inside a stage: the gradients are
+        reduce-scattered instead of all-reduced and the updated parameters all-gathered —
+        the same bytes on a ring — while each device holds and updates 1/dp of the
+        state).  False keeps the state laid out like its parameter.
     """
 
     num_micro_batches: int | Literal["auto"] = 1
@@ -287,6 +298,7 @@ class PipeshardParallel:
     memory_budget_bytes: float | None = None
     solver: Backend = DEFAULT_BACKEND
     time_limit_s: float = 20.0
+    shard_optimizer_state: bool = True
     name: ClassVar[str] = "pipeshard"
     pipelined: ClassVar[bool] = True
 
@@ -297,6 +309,7 @@ class PipeshardParallel:
         _check_count(n, "num_stages", self.num_stages, allow_auto=True)
         _check_count(n, "layer_num", self.layer_num, allow_auto=True)
         _check_schedule(n, self.schedule)
+        _check_flag(n, "shard_optimizer_state", self.shard_optimizer_state)
         if self.submesh_shapes is not None:
             shapes = tuple(tuple(int(x) for x in s) for s in self.submesh_shapes)
             if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
@@ -324,7 +337,8 @@ class PipeshardParallel:
 class Manual3DParallel:
     """A fixed 3-D layout (a baseline): `pp` stages with equal layer counts, each on
     `dp` x `tp` devices as a (dp, tp) logical mesh with the batch split over dp; the
-    sharding inside a stage is then searched on that mesh."""
+    sharding inside a stage is then searched on that mesh.  `shard_optimizer_state` as in
+    `PipeshardParallel` (ZeRO-2 over the stage's data-parallel axes)."""
 
     dp: int = 1
     tp: int = 1
@@ -334,6 +348,7 @@ class Manual3DParallel:
     solver: Backend = DEFAULT_BACKEND
     time_limit_s: float = 20.0
     memory_budget_bytes: float | None = None
+    shard_optimizer_state: bool = True
     name: ClassVar[str] = "3d"
     pipelined: ClassVar[bool] = True
 
@@ -343,6 +358,7 @@ class Manual3DParallel:
         _check_common("Manual3DParallel", self.memory_budget_bytes, self.solver,
                       self.time_limit_s)
         _check_schedule("Manual3DParallel", self.schedule)
+        _check_flag("Manual3DParallel", "shard_optimizer_state", self.shard_optimizer_state)
 
     def stage_layout(self, num_devices: int, devices_per_host: int) -> StageLayout:
         if self.dp * self.tp * self.pp != num_devices:

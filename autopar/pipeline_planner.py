@@ -28,7 +28,7 @@ from autopar.cost_model.collectives import send_recv_s
 from autopar.cost_model.compute import compute_time_s
 from autopar.graph import Graph
 from autopar.passes import inter_op, intra_op, layering
-from autopar.passes.sharding_spec import MeshContext, Spec, reshard_s
+from autopar.passes.sharding_spec import MeshContext, Spec, reshard_s, state_split
 
 from . import pipeline
 from .layer import LayerProgram, differentiable_values
@@ -39,6 +39,10 @@ from .solve_pool import SolvePool
 # Layer costs only rank stage layouts: a short solver limit per layer solve (the solver then
 # returns its best incumbent) keeps dozens of layer solves affordable.  Seconds.
 LAYER_TIME_LIMIT_S = 1.0
+
+# Bytes moved per byte of a parameter gradient when a micro-batch's gradient is added into
+# the accumulator: read both, write the sum (`stage_runner` backward).
+ACCUMULATE_TRAFFIC = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +131,9 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
                                        fn.diff_ids) if vid in params and isinstance(op, int)]
     scale = ({i: 1.0 / num_micro_batches for i in _gradient_matmuls(fb, grad_outs)}
              if num_micro_batches > 1 and fn.diff_ids else {})
+    # Each micro-batch's parameter gradients are added into the stage's accumulators at
+    # their layout (unreduced: a data-parallel layout adds whole gradients on every device).
+    traffic = {vid: ACCUMULATE_TRAFFIC for vid in grad_outs}
     pending = []
     for shape in shapes or logical_shapes(submesh):
         mesh = MeshContext.build(shape, sub)
@@ -144,7 +151,7 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
                     forced[vid] = ((mesh.axes[0],),) + ((),) * (v.ndim - 1)
         pending.append((shape, mesh, intra_op.start(
             fb, mesh, forced=forced, batch_size=batch_size, solver=solver,
-            time_limit_s=time_limit_s, comm_scale=scale, submit=submit)))
+            time_limit_s=time_limit_s, comm_scale=scale, traffic=traffic, submit=submit)))
     return lambda: {shape: _priced(graph, program, layer, position, per_micro_inputs, mesh,
                                    run.result()) for shape, mesh, run in pending}
 
@@ -231,8 +238,9 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
 
     A stage's memory per device (checked against the budget) is `stage_memory_bytes`:
     its layers' forward+backward peaks, the optimizer state (`state_bytes_per_param_byte`
-    x its parameter bytes per device, laid out like the parameters), and the residuals of
-    the micro-batches 1F1B keeps in flight.
+    x its parameter bytes per device, laid out like the parameters, or split further over
+    the stage's data-parallel axes with the method's `shard_optimizer_state`: the plan's
+    `StagePlan.state_specs`), and the residuals of the micro-batches 1F1B keeps in flight.
 
     `progress(message)` is called at each phase boundary (layering, each layer ILP, stage
     DP, each stage ILP); the seconds of each phase are in the plan's `solver["phases_s"]`.
@@ -308,6 +316,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         return layer_cache[key]
 
     micro = method.num_micro_batches
+    zero = method.shard_optimizer_state
     link = cluster.inter_host if hosts > 1 else cluster.intra_host
 
     def stage_options(i: int, j: int, submesh: tuple[int, int]) -> list[_StageEstimate]:
@@ -318,7 +327,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         out = []
         for shape in options[0]:
             priced = [o[shape] for o in options]
-            update = update_time_s(held_param_bytes(priced, progs, params, graph),
+            update = update_time_s(held_param_bytes(priced, progs, params, graph, zero),
                                    state_bytes_per_param_byte, cluster)
             out.append(_StageEstimate(
                 priced, progs, sum(p.cost_s for p in priced)
@@ -328,7 +337,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     def fitting(options: list[_StageEstimate], in_flight: int) -> _StageEstimate | None:
         ok = [o for o in options if stage_memory_bytes(
             o.priced, o.programs, params, graph, micro, in_flight,
-            state_bytes_per_param_byte) <= budget]
+            state_bytes_per_param_byte, zero) <= budget]
         return min(ok, key=lambda o: o.cost_s) if ok else None
 
     def range_cost(i: int, j: int, submesh: tuple[int, int]) -> float | None:
@@ -407,8 +416,11 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             mesh_axes=mesh.axes, input_specs=tuple(sorted(specs.items())),
             predicted_s=best.cost_s,
             memory_bytes=stage_memory_bytes(best.priced, best.programs, params, graph, micro,
-                                            in_flight, state_bytes_per_param_byte),
-            layer_plans=layer_plans))
+                                            in_flight, state_bytes_per_param_byte, zero),
+            layer_plans=layer_plans, state_specs=tuple(sorted(
+                (vid, spec) for vid, spec in state_specs(
+                    best.priced, best.programs, params, graph, zero).items()
+                if vid in wanted and spec != specs.get(vid)))))
     stages, per_step_s = _with_transfers(stages, graph, diff, params, cluster, per_host)
     phases["stage assembly"] = time.perf_counter() - t_phase
     times = [st.predicted_s for st in stages]
@@ -506,16 +518,34 @@ def _with_transfers(stages: list[StagePlan], graph: Graph, diff: set[int], param
     return out, per_step
 
 
-def held_param_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
-                     params: set[int], graph: Graph) -> float:
-    """Parameter bytes per device of a stage made of these layer solutions (a parameter
-    read by several layers counts once, at the layout of the first)."""
-    param_bytes: dict[int, float] = {}
+def param_layouts(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
+                  params: set[int]) -> dict[int, tuple[Spec, MeshContext]]:
+    """(spec, mesh) of every parameter a stage of these layer solutions reads: the layout
+    of the first layer reading it (the stage's input spec)."""
+    out: dict[int, tuple[Spec, MeshContext]] = {}
     for p, prog in zip(priced, programs):
         for vid, spec in zip(prog.inputs, p.input_specs):
             if vid in params:
-                param_bytes.setdefault(vid, graph.values[vid].nbytes / p.mesh.shards(spec))
-    return sum(param_bytes.values())
+                out.setdefault(vid, (spec, p.mesh))
+    return out
+
+
+def state_specs(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
+                params: set[int], graph: Graph, shard: bool) -> dict[int, Spec]:
+    """The layout of each parameter's reduced gradient and optimizer state on the stage:
+    its spec cut over the data-parallel axes (`state_split`) when `shard`, else its spec."""
+    return {vid: state_split(spec, graph.values[vid].shape, mesh) if shard else spec
+            for vid, (spec, mesh) in param_layouts(priced, programs, params).items()}
+
+
+def held_param_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
+                     params: set[int], graph: Graph, shard_state: bool = False) -> float:
+    """Parameter bytes per device of a stage made of these layer solutions (a parameter
+    read by several layers counts once, at the layout of the first); with `shard_state`,
+    at its state layout (the bytes of parameter the device updates and holds state for)."""
+    meshes = {vid: mesh for vid, (_, mesh) in param_layouts(priced, programs, params).items()}
+    return sum(graph.values[vid].nbytes / meshes[vid].shards(spec) for vid, spec in
+               state_specs(priced, programs, params, graph, shard_state).items())
 
 
 def update_time_s(param_bytes: float, state_bytes_per_param_byte: float,
@@ -529,11 +559,12 @@ def update_time_s(param_bytes: float, state_bytes_per_param_byte: float,
 
 def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
                        params: set[int], graph: Graph, micro: int, in_flight: int,
-                       state_bytes_per_param_byte: float) -> float:
+                       state_bytes_per_param_byte: float, shard_state: bool = False) -> float:
     """Bytes per device of a stage made of these layer solutions: forward+backward peaks
     (their gradient outputs double as the accumulator: gradients are added in place, as
-    Megatron-LM's main_grad) + optimizer state + (in-flight − 1) x residuals."""
-    held = held_param_bytes(priced, programs, params, graph)
+    Megatron-LM's main_grad) + optimizer state (split over the data-parallel axes with
+    `shard_state`) + (in-flight − 1) x residuals."""
+    held = held_param_bytes(priced, programs, params, graph, shard_state)
     return (sum(p.memory_bytes for p in priced) + state_bytes_per_param_byte * held
             + (min(in_flight, micro) - 1) * sum(p.residual_bytes for p in priced))
 

@@ -100,6 +100,12 @@ class StagePlan:
         hand-written plans: the runtime then lets XLA lay the stage out).
       transfer_s: of `predicted_s`, seconds per micro-batch spent receiving the stage's
         activations from earlier stages and sending their cotangents back.
+      state_specs: (parameter value id, spec) of the layout the stage reduces each
+        parameter's gradient into, which is also the layout of its optimizer state and
+        update on the owner stage: the parameter's spec cut further over the stage's
+        data-parallel axes (ZeRO-2: gradients reduce-scattered, the update done on 1/dp of
+        the state, the new parameters all-gathered).  A parameter not listed keeps its
+        input spec.
     """
 
     layers: tuple[int, int]
@@ -112,6 +118,7 @@ class StagePlan:
     memory_bytes: float
     layer_plans: tuple[LayerPlan, ...] = ()
     transfer_s: float = 0.0
+    state_specs: tuple[tuple[int, Spec], ...] = ()
 
     def to_json(self, solutions: dict[str, int] | None = None) -> dict[str, Any]:
         """JSON; with `solutions` (solution text → index, filled here), identical layer
@@ -123,6 +130,8 @@ class StagePlan:
             "input_specs": [[v, spec_to_json(s)] for v, s in self.input_specs],
             "predicted_s": self.predicted_s, "memory_bytes": self.memory_bytes,
             "transfer_s": self.transfer_s}
+        if self.state_specs:
+            out["state_specs"] = [[v, spec_to_json(s)] for v, s in self.state_specs]
         if solutions is not None:
             layers = []
             for lp in self.layer_plans:
@@ -150,7 +159,9 @@ class StagePlan:
             mesh_axes=tuple(str(a) for a in d["mesh_axes"]),
             input_specs=tuple((int(v), spec_from_json(s)) for v, s in d["input_specs"]),
             predicted_s=float(d["predicted_s"]), memory_bytes=float(d["memory_bytes"]),
-            layer_plans=tuple(layer_plans), transfer_s=float(d.get("transfer_s", 0.0)))
+            layer_plans=tuple(layer_plans), transfer_s=float(d.get("transfer_s", 0.0)),
+            state_specs=tuple((int(v), spec_from_json(s))
+                              for v, s in d.get("state_specs", [])))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,14 +433,26 @@ def _verify_stages(plan: Plan, num_devices: int,
                 for e, k, spec in lp.operand_specs:
                     _check_spec(f"{where}.layer_plans[{j}].operand_specs[equation {e}, "
                                 f"operand {k}]", spec, None, sizes)
-        for vid, spec in st.input_specs:
-            field = f"{where}.input_specs[v{vid}]"
-            if value_shapes is None:
-                _check_spec(field, spec, None, sizes)
-                continue
-            if vid not in value_shapes:
-                raise PlanError(f"{field}: value {vid} does not exist in this program")
-            _check_spec(field, spec, value_shapes[vid], sizes)
+        inputs = {vid for vid, _ in st.input_specs}
+        for vid, _ in st.state_specs:
+            if vid not in inputs:
+                raise PlanError(f"{where}.state_specs[v{vid}]: value {vid} is not an input of "
+                                f"the stage (a parameter's state layout needs its input spec)")
+        for name, specs in (("input_specs", st.input_specs), ("state_specs", st.state_specs)):
+            for vid, spec in specs:
+                _check_value_spec(f"{where}.{name}[v{vid}]", vid, spec, value_shapes, sizes)
+
+
+def _check_value_spec(field: str, vid: int, spec: Spec,
+                      value_shapes: dict[int, tuple[int, ...]] | None,
+                      sizes: dict[str, int]) -> None:
+    """A stage spec of forward value `vid` (its shape known when `value_shapes` is)."""
+    if value_shapes is None:
+        _check_spec(field, spec, None, sizes)
+        return
+    if vid not in value_shapes:
+        raise PlanError(f"{field}: value {vid} does not exist in this program")
+    _check_spec(field, spec, value_shapes[vid], sizes)
 
 
 def _check_spec(field: str, spec: Spec, shape: tuple[int, ...] | None,

@@ -14,11 +14,13 @@ segments on the owner stages, with parameters and optimizer state in the plan's 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.extend.core as jcore
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding
 
 from autopar.cost_model import hlo_audit
@@ -120,19 +122,26 @@ class PipelineRuntime:
         num_grads = len(split.diff_inputs)
         home: dict[Any, int] = {}
         known: dict[Any, tuple[int, Sharding]] = {}
+        # A parameter, its gradient and everything elementwise from them (optimizer moments,
+        # the update) take the parameter's state layout; the parameter itself, as the step
+        # takes and returns it, keeps the layout its stage reads it in.
+        as_read: dict[Any, tuple[int, Sharding]] = {}
         for src, vid in zip(self.f_source, self.f_inputs):
             if isinstance(src, jcore.Literal) or vid not in self.owner:
                 continue
             s = self.owner[vid]
+            st = self.stages[s]
             home.setdefault(src, s)
             if vid not in self.batch_vids:
-                known.setdefault(src, (s, self.stages[s].input_shardings[vid]))
+                known.setdefault(src, (s, st.state_shardings.get(vid, st.input_shardings[vid])))
+                if vid in st.state_shardings:
+                    as_read.setdefault(src, (s, st.input_shardings[vid]))
         for v, j in zip(marker.outvars[len(marker.outvars) - num_grads:], split.diff_inputs):
             vid = self.f_inputs[j]
             s = self.owner.get(vid, 0)
             home[v] = s
             if vid in self.owner:
-                known[v] = (s, self.stages[s].input_shardings[vid])
+                known[v] = (s, self.stages[s].state_shardings[vid])
         for v, op in zip(marker.outvars, self.graph.outvars):
             if isinstance(op, int) and op in self.stage_of_value:
                 home.setdefault(v, self.stage_of_value[op])
@@ -141,6 +150,9 @@ class PipelineRuntime:
         pre_eqns = [i for i in range(split.marker) if i not in skip]
         post_eqns = list(range(split.marker + 1, len(jaxpr.eqns)))
         layouts = outer.state_layouts(jaxpr, pre_eqns + post_eqns, known, tie_vars)
+        layouts.update(as_read)
+        layouts.update((out, as_read[inp]) for out, inp in tie_vars
+                       if inp in as_read and not isinstance(out, jcore.Literal))
         self.layouts = layouts
         for v, (s, _) in layouts.items():
             home.setdefault(v, s)
@@ -243,7 +255,7 @@ class PipelineRuntime:
             means.update(zip(st.f_out_ids, outs))
             for v, g in zip(st.param_ids, grads):
                 owner = self.stages[self.owner[v]]
-                g = outer.place(g, owner.input_shardings[v])
+                g = outer.place(g, owner.state_shardings[v])
                 by_param[v] = by_param[v] + g if v in by_param and owner.local else g
         out = []
         for j in self.split.diff_inputs:
@@ -302,7 +314,9 @@ class StageCompiled:
     """JAX's compiled programs of one stage: `forward` and `backward` run once per
     micro-batch, `zeros` and `finalize` (the gradient reduction) once per step; or, when
     the step runs the stage as one program (`step`, a one-stage 1F1B pipeline), that
-    program once per step (the four others are compiled for inspection, not run)."""
+    program once per step (the four others are compiled for inspection, not run).
+    `param_bytes`: bytes per device of the parameters the stage owns (updates), as it
+    reads them."""
 
     stage: int
     forward: Any
@@ -310,6 +324,7 @@ class StageCompiled:
     zeros: Any
     finalize: Any
     step: Any = None
+    param_bytes: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,11 +394,9 @@ class PipelineCompiled:
                     m = seg.memory_analysis()
                     extra_state = max(extra_state, m.alias_size_in_bytes)
             # The apply segments update parameters and optimizer state in place (aliased);
-            # the parameters (as large as their gradients) are already in the backward's
-            # arguments.
-            params = c.finalize.memory_analysis().output_size_in_bytes
+            # the parameters are already in the backward's arguments.
             out.append(float(peak + (in_flight[c.stage] - 1) * fwd_out
-                             + max(0, extra_state - params)))
+                             + max(0, extra_state - c.param_bytes)))
         return out
 
 
@@ -398,15 +411,23 @@ class PipelineLowered:
         stages = []
         for s, st in enumerate(rt.stages):
             low = st.lower_all(fused=rt.fused)
+            owned = sum(_shard_bytes(rt.graph.values[v], st.input_shardings[v])
+                        for v in st.param_ids if rt.owner[v] == s)
             stages.append(StageCompiled(s, *(low[k].compile() for k in
                                               ("forward", "backward", "zeros", "finalize")),
-                                        step=low["step"].compile() if rt.fused else None))
+                                        step=low["step"].compile() if rt.fused else None,
+                                        param_bytes=float(owned)))
         segments = []
         for seg in rt.pre + rt.post:
             args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sh)
                     for v, sh in zip(seg.inputs, seg.in_shardings)]
             segments.append((seg.stage, seg.fn.lower(*args).compile()))
         return PipelineCompiled(tuple(stages), tuple(segments), rt.num_micro_batches, rt.plan)
+
+
+def _shard_bytes(value: Any, sharding: Sharding) -> int:
+    """Bytes of one device's piece of a graph value laid out as `sharding`."""
+    return math.prod(sharding.shard_shape(tuple(value.shape))) * np.dtype(value.dtype).itemsize
 
 
 def _stage_input(x: Any, sharding: Sharding) -> Any:

@@ -10,7 +10,9 @@ the program the planner priced).  Per micro-batch the stage has two programs:
   parameter gradients in them stay unreduced over the data-parallel axes (`grad_accum`).
 
 and per step two more: `zeros` (fresh accumulators) and `finalize` (accumulators → one
-gradient per parameter in the parameter's layout: the step's one reduction).
+gradient per parameter in its state layout, `StagePlan.state_specs`: the step's one
+reduction, a reduce-scatter where the optimizer state is split over the data-parallel
+axes, else an all-reduce).
 
 Inputs are split in two lists: `static` (F inputs that do not change between
 micro-batches: parameters, RNG keys, ...), passed as one tuple built once per step, and
@@ -33,7 +35,14 @@ from autopar.passes.sharding_spec import Spec
 
 from . import transfer
 from .emit import Constraints, to_pspec
-from .grad_accum import Deferral, DeferredBackward, GradSum, as_grad_sum, stacked_spec
+from .grad_accum import (
+    Deferral,
+    DeferredBackward,
+    GradSum,
+    as_grad_sum,
+    reduce_to,
+    stacked_spec,
+)
 from .layer import LayerProgram
 from .microbatch import micro_slice
 from .pipeline import StageProgram, program_for_range
@@ -93,6 +102,15 @@ class StageRunner:
         self.int_outs = tuple(v for v in self.program.outputs if not is_float(values[v].dtype))
         self.ct_receivers = tuple(ct_receivers)
         self.param_ids = tuple(v for v in self.program.inputs if v in params)
+        # Each parameter's reduced gradient (and, on its owner, optimizer state and update):
+        # the plan's state layout — the parameter's cut over the data-parallel axes (ZeRO-2)
+        # — or the parameter's own.
+        state = dict(plan.state_specs)
+        self.state_specs: dict[int, Spec] = {
+            v: state.get(v) or specs.get(v, ((),) * graph.values[v].ndim)
+            for v in self.param_ids}
+        self.state_shardings = {v: NamedSharding(mesh, to_pspec(self.state_specs[v]))
+                                for v in self.param_ids}
         self.act_ct_ids = tuple(v for v in self.micro_ids
                                 if v in diff_values and is_float(values[v].dtype))
         self.loss_vid = loss_vid if loss_vid in self.float_outs else None
@@ -117,7 +135,7 @@ class StageRunner:
         # (accumulators, F-output sums) as zeros / backward leave them; (gradients, F
         # outputs) as finalize returns them.
         self._acc_shardings = (acc_sh, out_sh)
-        self._reduced_shardings = ([self.input_shardings[v] for v in self.param_ids], out_sh)
+        self._reduced_shardings = ([self.state_shardings[v] for v in self.param_ids], out_sh)
         # Every program's outputs have explicit layouts: across processes, the ones that do
         # not run a stage still know where its results live (transfer.placeholder).
         self.local = transfer.is_local(NamedSharding(mesh, PartitionSpec()))
@@ -354,7 +372,8 @@ class StageRunner:
         """(each parameter's gradient, reduced once; the mean of each float F output over
         the micro-batches, the last micro-batch's integer ones)."""
         grad_acc, out_acc = acc
-        return ([GradSum(parts).total() for parts in grad_acc],
+        return ([reduce_to(parts, self.state_specs[v], self.mesh)
+                 for v, parts in zip(self.param_ids, grad_acc)],
                 [x * jnp.asarray(self.scale, x.dtype) if is_float(x.dtype) else x
                  for x in out_acc])
 

@@ -126,6 +126,7 @@ def start(graph: Graph, mesh: MeshContext, *,
           solver: Backend = DEFAULT_BACKEND,
           time_limit_s: float = 60.0,
           comm_scale: Mapping[int, float] | None = None,
+          traffic: Mapping[int, float] | None = None,
           submit: Submit | None = None) -> PendingRun:
     """`run` in two halves: builds the problem now and, given `submit`, hands it to a
     solver running elsewhere; `.result()` waits for the answer and reads the plan off it
@@ -142,10 +143,15 @@ def start(graph: Graph, mesh: MeshContext, *,
       comm_scale: equation index → factor on the communication its strategies carry (e.g.
         1/B for the matmuls producing parameter gradients that are reduced once per B
         micro-batches).
+      traffic: value id → device-memory bytes moved per byte of the value (at its chosen
+        layout) by work outside the program that each run pays for — e.g. 3 for a
+        parameter gradient added into an accumulator (read both, write the sum) — priced
+        at the mesh's memory bandwidth on the value's producer.
       submit: where to solve (default: here, when `.result()` is called).
     """
     t0 = time.perf_counter()
     builder = _built(graph, mesh, forced, ties, batch_size, comm_scale)
+    builder.add_traffic(traffic or {})
     # Solve without the memory rows first: most plans fit, and the unconstrained problem
     # reduces much further (memory-free leaves and chains are eliminated exactly).
     problem = builder.problem(None)
@@ -574,6 +580,19 @@ class _ProblemBuilder:
             return 0.0
         link = self.mesh.group_link(strategy.partial_axes)
         return link.alpha_s * max(0.0, 1.0 - strategy.partial_bytes / COMBINE_BYTES)
+
+    def add_traffic(self, traffic: Mapping[int, float]) -> None:
+        """`start`'s `traffic`: each value's extra memory traffic, per strategy of its group
+        (a value without a decision is replicated: the same cost for every plan)."""
+        bandwidth = self.mesh.cluster.memory_bandwidth_bytes_per_s
+        for vid, factor in traffic.items():
+            gid = self.group_of.get(vid)
+            if gid is None:
+                continue
+            nbytes = self.graph.values[vid].nbytes
+            self.groups[gid].compute_s += np.array(
+                [factor * nbytes / self.mesh.shards(spec) / bandwidth
+                 for spec in self.specs[vid]])
 
     # -- the problem ------------------------------------------------------------------------
 

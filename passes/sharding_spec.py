@@ -146,6 +146,25 @@ def is_valid(spec: Spec, shape: Sequence[int], mesh: MeshContext) -> bool:
     return all(n % mesh.dim_shards(axes) == 0 for n, axes in zip(shape, spec))
 
 
+def state_split(spec: Spec, shape: Sequence[int], mesh: MeshContext) -> Spec:
+    """`spec` cut further over the mesh axes it leaves whole: the layout of a parameter's
+    optimizer state and reduced gradient when the state is split over the data-parallel
+    axes (ZeRO-2).  Each unused axis (more than one device) joins the largest dim it still
+    divides evenly, after the axes already there (`spec` → result is a local slice); an
+    axis that divides no dim stays unused."""
+    dims = [list(axes) for axes in spec]
+    used = mesh.axes_used(spec)
+    for axis in mesh.split_axes:
+        if axis in used:
+            continue
+        fits = [d for d, n in enumerate(shape)
+                if n % (mesh.dim_shards(dims[d]) * mesh.size(axis)) == 0]
+        if fits:
+            best = max(fits, key=lambda d: (shape[d] // mesh.dim_shards(dims[d]), -d))
+            dims[best].append(axis)
+    return tuple(tuple(d) for d in dims)
+
+
 def reshard_s(src: Spec, dst: Spec, nbytes: float, mesh: MeshContext) -> float:
     """Seconds to turn a value of `nbytes` (whole) laid out as `src` into `dst`.
 

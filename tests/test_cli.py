@@ -248,11 +248,16 @@ def _pipeline_plan(**stage1):
     ({"input_specs": ((7, ((), ("z",))),)}, "stages[1].input_specs[v7]: unknown mesh axis 'z'"),
     ({"input_specs": ((7, (("x",), ())),)}, "stages[1].input_specs[v7]: dim 0 of size 3"),
     ({"mesh_shape": (2, 4)}, "stages[1].mesh_shape (2, 4) needs 8 devices"),
+    ({"state_specs": ((7, ((), ("y",))),)}, None),
+    ({"state_specs": ((5, ((), ())),)}, "stages[1].state_specs[v5]: value 5 is not an input"),
+    ({"state_specs": ((7, ((), ("x", "y"))),)}, "stages[1].state_specs[v7]: dim 1 of size 6"),
 ])
 def test_verify_plan_checks_stages(stage1, message):
     from autopar.plan import PlanError, verify_plan
 
     plan = _pipeline_plan(**stage1)
+    from autopar import Plan
+    assert Plan.from_json(plan.to_json()) == plan   # state_specs round-trip too
     check = lambda: verify_plan(plan, [], [], {}, 8, stage_value_shapes={5: (8, 4), 7: (3, 6)})
     if message is None:
         check()

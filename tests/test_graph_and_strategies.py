@@ -11,7 +11,14 @@ from autopar.cost_model import ClusterSpec
 from autopar.graph import Graph
 from autopar.passes import strategies as st
 from autopar.passes.intra_op import run as intra_op_run
-from autopar.passes.sharding_spec import MeshContext, enumerate_specs, replicated, reshard_s
+from autopar.passes.sharding_spec import (
+    MeshContext,
+    enumerate_specs,
+    is_slice,
+    replicated,
+    reshard_s,
+    state_split,
+)
 
 CLUSTER = ClusterSpec.preset("8xA100-80GB")
 MESH_2D = MeshContext.build((2, 4), CLUSTER)
@@ -71,6 +78,21 @@ def test_enumerate_specs_only_even_splits():
     assert ((), ("y",)) not in specs           # 6 is not divisible by 4
     assert (("x", "y"), ()) in specs
     assert len(specs) == len(set(specs))
+
+
+@pytest.mark.parametrize("spec, shape, want", [
+    # Replicated on (2, 4): each axis, in mesh order, joins the dim it leaves largest.
+    (((), ()), (512, 1024), (("y",), ("x",))),
+    (((), ()), (8, 6), (("x", "y"), ())),          # 6 is not divisible by 4
+    # Tensor-parallel over y: x cuts the largest dim further, after y.
+    (((), ("y",)), (64, 512), ((), ("y", "x"))),
+    ((("x", "y"),), (16,), (("x", "y"),)),         # nothing left to split over
+    (((),), (3,), ((),)),                          # no dim divides: stays whole
+])
+def test_state_split_cuts_over_the_unused_axes(spec, shape, want):
+    got = state_split(spec, shape, MESH_2D)
+    assert got == want
+    assert is_slice(spec, got)                    # reached from the parameter by slicing
 
 
 def test_reshard_costs():

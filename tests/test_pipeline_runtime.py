@@ -14,6 +14,7 @@ import pytest
 
 import autopar
 from autopar.cost_model import hlo_audit
+from autopar.passes.sharding_spec import is_slice
 
 from helpers import assert_same_micro_batched_run, cheap_comm_cluster
 from models import make_case
@@ -40,18 +41,30 @@ def _param_bytes(state) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state["params"]))
 
 
-def test_data_parallel_stages_reduce_gradients_once_per_step():
+@pytest.mark.parametrize("shard_state", [True, False])
+def test_data_parallel_stages_reduce_gradients_once_per_step(shard_state):
     # Two stages, each a 4-way data-parallel mesh: the backward of every micro-batch keeps
     # its gradients unreduced (no collective at all), and the step reduces each gradient
-    # exactly once — the bytes of one all-reduce of all the parameters, not 4x that.
+    # exactly once — the bytes of the parameters, not 4x that: one reduce-scatter onto
+    # the optimizer state's split (ZeRO-2), whose update's all-gather brings the new
+    # parameters back; or, with the state laid out like the parameters, one all-reduce.
     case = make_case("mlp", "sgd")
     state, batch = case.init()
     step = autopar.parallelize(case.step, method=autopar.Manual3DParallel(
-        dp=4, tp=1, pp=2, num_micro_batches=4, **FAST), donate_argnums=())
+        dp=4, tp=1, pp=2, num_micro_batches=4, shard_optimizer_state=shard_state, **FAST),
+        donate_argnums=())
     audit = _step_audit(step, (state, batch))
+    params = _param_bytes(state)
     # The forward only reduces the loss (a float32 scalar per micro-batch).
     assert audit["forward"] == {"all-reduce": 4 * 4} and not audit["backward"], audit
-    assert audit["finalize"] == {"all-reduce": _param_bytes(state)}, audit
+    # (The apply's all-reduces, if any, are the clip's partial squared norms: scalars.)
+    assert audit["apply"].get("all-reduce", 0.0) < 1024, audit
+    if shard_state:
+        assert audit["finalize"] == {"reduce-scatter": params}, audit
+        assert audit["apply"]["all-gather"] == params, audit
+    else:
+        assert audit["finalize"] == {"all-reduce": params}, audit
+        assert "all-gather" not in audit["apply"], audit
     assert_same_micro_batched_run(case, step, 4, **TOL)
 
 
@@ -98,11 +111,46 @@ def test_state_keeps_its_layout_and_is_donated():
     leaves = jax.tree.leaves(s2)
     assert any(len(x.sharding.device_set) < len(jax.devices()) for x in leaves), \
         "parameters and optimizer state live on their stage's devices"
-    # Adam's moments take their parameter's layout.
+    # Adam's moments take their parameter's state layout: the parameter's, cut further
+    # over the stage's data-parallel axes (the plan's state_specs).
     params = jax.tree.leaves(s2["params"])
     mu = jax.tree.leaves(s2["opt_state"][1][0].mu)
     for p, m in zip(params, mu):
+        assert m.sharding.mesh == p.sharding.mesh
+        assert is_slice(_spec(p), _spec(m)), (p.sharding, m.sharding)
+    smaller = [m for p, m in zip(params, mu) if _shard_bytes(m) < _shard_bytes(p)]
+    assert smaller, "the optimizer state is split over the stages' data-parallel axes"
+    assert all(st.state_specs for st in step.get_plan(s2, case.batch_for_step(2)).stages)
+
+
+def _spec(x) -> tuple[tuple[str, ...], ...]:
+    spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+    return tuple(() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec)
+
+
+def _shard_bytes(x) -> int:
+    return int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+
+
+def test_optimizer_state_split_opt_out_and_memory():
+    # Without the split the moments keep their parameter's layout; with it, the planner
+    # prices less memory per device and the compiled step holds less.
+    case = make_case("mlp", "adamw")
+    state, batch = case.init()
+    steps = {z: autopar.parallelize(case.step, method=autopar.PipeshardParallel(
+        num_micro_batches=2, num_stages=1, shard_optimizer_state=z, **FAST), donate_argnums=())
+        for z in (True, False)}
+    s, _ = steps[False](state, batch)
+    for p, m in zip(jax.tree.leaves(s["params"]), jax.tree.leaves(s["opt_state"][1][0].mu)):
         assert m.sharding == p.sharding
+    plans = {z: step.get_plan(state, batch) for z, step in steps.items()}
+    assert not plans[False].stages[0].state_specs and plans[True].stages[0].state_specs
+    assert plans[True].predicted.memory_bytes < plans[False].predicted.memory_bytes
+    compiled = {z: max(step.lower(state, batch).compile().stage_memory_bytes())
+                for z, step in steps.items()}
+    assert compiled[True] < compiled[False], compiled
+    with pytest.raises(ValueError, match="shard_optimizer_state"):
+        autopar.PipeshardParallel(shard_optimizer_state="yes")
 
 
 def test_donation_opt_out():
