@@ -11,8 +11,12 @@ Conventions, checked on jax 0.10.2 (CPU):
   collective shapes are per-device buffers; ``cost_analysis()`` reports the per-device FLOPs
   and bytes (a batch-sharded (256, 512) @ (512, 128) matmul on 8 devices reports 1/8 of the
   global FLOPs, plus the collectives' own adds); ``memory_analysis()`` is per device.
-* A collective is counted once per instruction in the text (``-start`` forms once, their
-  ``-done`` not at all), statically: one inside a loop body that runs k times counts once.
+* A collective is one instruction in the text (``-start`` forms once, their ``-done`` not
+  at all) that runs ``Collective.count`` times per run of the executable: the product of
+  the ``known_trip_count`` XLA records (``backend_config``) on the ``while`` loops whose
+  bodies hold it, e.g. an ``nn.scan`` layer's collectives once per layer; a loop whose trip
+  count XLA does not know counts once.  Byte and time totals (`Audit.bytes_by_kind`,
+  `Audit.price`) include the count.
 * Replica groups come in three spellings, all expanded to explicit device-id groups:
   ``{{0,1},{2,3}}`` (``{}`` = all devices), iota ``[2,4]<=[8]`` / ``[4,2]<=[2,4]T(1,0)``, and
   the mesh form this XLA prints for partitioner-made collectives,
@@ -73,6 +77,8 @@ class Collective:
       full_axes: whether every group is exactly all devices along ``axes`` (False for groups
         over part of an axis, e.g. a sub-axis of the partitioner's mesh).
       is_async: the instruction was a ``-start`` form.
+      count: how many times it runs per run of the executable (the trip counts of the
+        loops around it).
     """
 
     kind: str
@@ -85,6 +91,7 @@ class Collective:
     axes: tuple[str, ...]
     full_axes: bool
     is_async: bool = False
+    count: int = 1
 
     @property
     def nbytes(self) -> float:
@@ -160,7 +167,7 @@ class Audit:
         """Sum of ``which`` (``"nbytes"``, ``"operand_bytes"`` or ``"result_bytes"``) per kind."""
         out: dict[str, float] = {}
         for c in self.collectives:
-            out[c.kind] = out.get(c.kind, 0.0) + float(getattr(c, which))
+            out[c.kind] = out.get(c.kind, 0.0) + float(getattr(c, which)) * c.count
         return out
 
     def price(self, cluster: ClusterSpec) -> dict[str, Any]:
@@ -172,7 +179,7 @@ class Audit:
           ``{"name", "kind", "seconds"}`` per collective).
         """
         links = cluster.mesh_axis_links(self.mesh_shape)
-        per = [(c, c.seconds(links, self.mesh_axes)) for c in self.collectives]
+        per = [(c, c.seconds(links, self.mesh_axes) * c.count) for c in self.collectives]
         by_kind: dict[str, float] = {}
         for c, s in per:
             by_kind[c.kind] = by_kind.get(c.kind, 0.0) + s
@@ -205,14 +212,15 @@ class Audit:
         """A text table: one row per collective, then FLOPs and memory (and seconds if
         ``cluster`` is given)."""
         priced = self.price(cluster) if cluster is not None else None
-        header = f"{'kind':<20}{'dtype':<10}{'axes':<12}{'n':>4}{'operand B':>14}{'result B':>14}"
+        header = (f"{'kind':<20}{'dtype':<10}{'axes':<12}{'n':>4}{'runs':>6}{'operand B':>14}"
+                  f"{'result B':>14}")
         if priced:
             header += f"{'seconds':>12}"
         lines = [f"audit on mesh {self.mesh_shape} {self.mesh_axes}", header, "-" * len(header)]
         for i, c in enumerate(self.collectives):
             axes = ",".join(c.axes) or "-"
             row = (f"{c.kind + ('*' if c.is_async else ''):<20}{c.dtype:<10}{axes:<12}"
-                   f"{c.group_size:>4}{c.operand_bytes:>14,}{c.result_bytes:>14,}")
+                   f"{c.group_size:>4}{c.count:>6}{c.operand_bytes:>14,}{c.result_bytes:>14,}")
             if priced:
                 row += f"{priced['collectives'][i]['seconds']:>12.3e}"
             lines.append(row)
@@ -274,6 +282,7 @@ def audit_text(hlo_text: str, mesh_shape: Sequence[int], mesh_axes: Sequence[str
     position = {d: p for p, d in enumerate(ids)}
 
     instructions = _parse_instructions(hlo_text)
+    counts = _run_counts(hlo_text)
     types = {name: typ for name, typ, _, _, _ in instructions}
     done_types = {}
     for _, typ, opcode, operands, _ in instructions:
@@ -298,8 +307,9 @@ def audit_text(hlo_text: str, mesh_shape: Sequence[int], mesh_axes: Sequence[str
             if result_shapes else "float32"
         if kind == "collective-permute":
             pairs = _parse_pairs(attrs)
-            found.append(_permute(kind, name, dtype, result_bytes, operand_bytes, pairs,
-                                  shape, axes, position, is_async))
+            found.append(dataclasses.replace(
+                _permute(kind, name, dtype, result_bytes, operand_bytes, pairs, shape, axes,
+                         position, is_async), count=counts.get(name, 1)))
             continue
         groups = _parse_groups(attrs, ids)
         varying, full = _varying_axes(groups, shape, position)
@@ -307,7 +317,7 @@ def audit_text(hlo_text: str, mesh_shape: Sequence[int], mesh_axes: Sequence[str
             kind=kind, name=name, dtype=dtype, result_bytes=result_bytes,
             operand_bytes=operand_bytes, groups=tuple(tuple(g) for g in groups),
             group_size=max(len(g) for g in groups), axes=tuple(axes[a] for a in varying),
-            full_axes=full, is_async=is_async))
+            full_axes=full, is_async=is_async, count=counts.get(name, 1)))
     hlo_dtype = max(compute, key=compute.get) if compute else "f32"
     return Audit(shape, axes, tuple(found), 0.0, 0.0, None,
                  _HLO_DTYPES.get(hlo_dtype, ("float32",))[0])
@@ -353,6 +363,57 @@ def _parse_instructions(text: str) -> list[tuple[str, str, str, str, str]]:
         close = _closing(rest, start)
         out.append((name, typ, op.group(1), rest[start + 1: close - 1], rest[close:]))
     return out
+
+
+_COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
+_CALLEE = re.compile(r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)"
+                     r"=%?([\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+
+
+def _run_counts(text: str) -> dict[str, int]:
+    """Instruction name → runs per run of the entry computation: a computation runs as
+    often as the instructions calling it, a ``while`` body (and condition) that many times
+    its known trip count."""
+    owner: dict[str, str] = {}
+    calls: dict[str, list[tuple[str, int]]] = {}
+    entry = current = None
+    for line in text.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            current = head.group(2)
+            if head.group(1):
+                entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _INSTRUCTION.match(line)
+        if current is None or not m:
+            continue
+        owner[m.group(1)] = current
+        callees = _CALLEE.findall(line)
+        branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+        if branches:
+            callees += re.findall(r"%?([\w.\-]+)", branches.group(1))
+        if not callees:
+            continue
+        trip = _TRIP_COUNT.search(line) if " while(" in line else None
+        factor = int(trip.group(1)) if trip else 1
+        calls.setdefault(current, []).extend((c, factor) for c in callees)
+    if entry is None:
+        return {}
+    runs: dict[str, int] = {}
+
+    def visit(comp: str, times: int, path: frozenset[str]) -> None:
+        if comp in path:   # no recursion in HLO; guard against a malformed text
+            return
+        runs[comp] = runs.get(comp, 0) + times
+        for callee, factor in calls.get(comp, ()):
+            visit(callee, times * factor, path | {comp})
+
+    visit(entry, 1, frozenset())
+    return {name: runs.get(comp, 1) for name, comp in owner.items()}
 
 
 def _shapes(typ: str) -> list[tuple[str, int]]:

@@ -163,6 +163,36 @@ def test_data_parallel_all_reduce_bytes_equal_gradient_bytes(shape, names):
         assert c.axes == names and c.group_size == math.prod(shape)
 
 
+def test_collectives_in_loops_count_once_per_iteration():
+    # A scan over 3 blocks of a scan over 2 layers, the weights split on their columns:
+    # each layer all-gathers its (16, 64) output, so one all-gather instruction inside two
+    # while loops runs 3 x 2 times per call (XLA records the loops' trip counts); the
+    # loss's all-reduce, outside the loops, once.
+    mesh = make_mesh((8,), ("d",))
+
+    def f(ws, x):
+        def layer(x, w):
+            return jnp.tanh(x @ w), None
+
+        def block(x, w2):
+            return jax.lax.scan(layer, x, w2)[0], None
+
+        return jax.lax.scan(block, x, ws)[0].sum()
+
+    ws, x = jnp.ones((3, 2, 64, 64)), jnp.ones((16, 64))
+    split = NamedSharding(mesh, P(None, None, None, "d"))
+    compiled = jax.jit(f, in_shardings=(split, NamedSharding(mesh, P()))).lower(ws, x).compile()
+    audited = audit(compiled, (8,), ("d",))
+    runs = {c.kind: c.count for c in audited.collectives}
+    assert runs == {"all-gather": 6, "all-reduce": 1}, audited.summary()
+    assert audited.bytes_by_kind()["all-gather"] == 6 * 16 * 64 * 4
+    once = dataclasses.replace(audited, collectives=tuple(
+        dataclasses.replace(c, count=1) for c in audited.collectives))
+    cluster = ClusterSpec.preset("8xA100-80GB")
+    assert audited.price(cluster)["communication_s"] > once.price(cluster)["communication_s"]
+    assert "runs" in audited.summary()
+
+
 # --- FLOPs, memory, pricing ---------------------------------------------------------------------
 
 
