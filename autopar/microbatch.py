@@ -29,11 +29,14 @@ class MicroBatchError(ValueError):
     """The step cannot be split into micro-batches as asked."""
 
 
-def micro_slice(x: jax.Array, num: int, index: int) -> jax.Array:
-    """Rows index, index + num, ... of `x` (the strided micro-batch split)."""
+def micro_slice(x: jax.Array, num: int, index: int | jax.Array) -> jax.Array:
+    """Rows index, index + num, ... of `x` (the strided micro-batch split); `index` may be
+    traced (a loop over the micro-batches)."""
     b = x.shape[0]
-    return jax.lax.index_in_dim(x.reshape((b // num, num) + x.shape[1:]), index, axis=1,
-                                keepdims=False)
+    rows = x.reshape((b // num, num) + x.shape[1:])
+    if isinstance(index, int):
+        return jax.lax.index_in_dim(rows, index, axis=1, keepdims=False)
+    return jax.lax.dynamic_index_in_dim(rows, index, axis=1, keepdims=False)
 
 
 def check_divisible(batch_leaves: Sequence[tuple[str, tuple[int, ...]]], num: int) -> None:

@@ -48,10 +48,6 @@ from .microbatch import micro_slice
 from .pipeline import StageProgram, program_for_range
 from .plan import LayerPlan, StagePlan
 
-MAX_FUSED_MICRO_BATCHES = 64
-"""A one-stage step with more micro-batches runs its forward and backward programs per
-micro-batch: the fused program unrolls them, and its compile time grows with the count."""
-
 Ref = tuple[int, Any]
 """Where a residual comes from: (layer, fb value id) computed in the stage, or (-1, F id)
 for a stage input."""
@@ -381,34 +377,35 @@ class StageRunner:
 
     def can_fuse(self, batch_ids: set[int]) -> bool:
         """Whether the stage's step can run as one program (`fused_step`): it is the only
-        stage (every non-static input is a batch input; no cotangent comes in or goes out),
-        it runs on this process's devices, and its micro-batches are few enough to unroll
-        (`MAX_FUSED_MICRO_BATCHES`)."""
+        stage (every non-static input is a batch input; no cotangent comes in or goes out)
+        and it runs on this process's devices."""
         return (self.local and not transfer.multi_process() and not self.ct_receivers
-                and not self.act_ct_ids and all(v in batch_ids for v in self.micro_ids)
-                and self.num_micro_batches <= MAX_FUSED_MICRO_BATCHES)
+                and not self.act_ct_ids and all(v in batch_ids for v in self.micro_ids))
 
     @functools.cached_property
     def fused_step(self):
         """The step of a one-stage pipeline under 1F1B as one program: (static inputs, batch
-        inputs in the stage's layout) → what `finalize` returns.  Each micro-batch's forward
-        then its backward into the accumulators, unrolled as ShardParallel unrolls its
-        micro-batches (the audit then counts every collective): the same layer programs and
-        layouts as `forward` / `backward` / `zeros` / `finalize`, launched once per step
-        instead of 2N + 2 times."""
+        inputs in the stage's layout) → what `finalize` returns.  A loop over the
+        micro-batches (`fori_loop`: XLA runs them in order, so one micro-batch's residuals
+        are live at a time, as 1F1B promises; unrolled, its scheduler may run every forward
+        first and hold all of them), each micro-batch's forward then its backward into the
+        accumulators: the same layer programs and layouts as `forward` / `backward` /
+        `zeros` / `finalize`, launched once per step instead of 2N + 2 times."""
         acc_sh = self._acc_shardings
         micro_sh = [self.input_shardings[v] for v in self.micro_ids]
         n = self.num_micro_batches
 
+        def one(m, static, batch, acc):
+            micro = [jax.lax.with_sharding_constraint(micro_slice(x, n, m), sh)
+                     for x, sh in zip(batch, micro_sh)]
+            _, _, saved = self._forward(static, micro)
+            kept = [micro[k] for k in self.kept_positions]
+            _, acc = self._backward(static, kept, saved, [], acc)
+            return jax.lax.with_sharding_constraint(acc, acc_sh)
+
         def step(static, batch):
-            acc = self._zeros()
-            for m in range(n):
-                micro = [jax.lax.with_sharding_constraint(micro_slice(x, n, m), sh)
-                         for x, sh in zip(batch, micro_sh)]
-                _, _, saved = self._forward(static, micro)
-                kept = [micro[k] for k in self.kept_positions]
-                _, acc = self._backward(static, kept, saved, [], acc)
-                acc = jax.lax.with_sharding_constraint(acc, acc_sh)
+            acc = jax.lax.with_sharding_constraint(self._zeros(), acc_sh)
+            acc = jax.lax.fori_loop(0, n, lambda m, a: one(m, static, batch, a), acc)
             return self._finalize(acc)
 
         return jax.jit(step, in_shardings=(
