@@ -4,11 +4,12 @@
 
 For every case whose plan fits on this machine's devices (at most 8 emulated CPU devices:
 the 1-, 2-, 4- and 8-device cases), the saved plan is replayed with abstract arguments, every
-stage's forward and backward is compiled on the same mesh shapes, and the compiled HLO is
-read back (`autopar.cost_model.hlo_audit`): collective bytes by kind (summed over the
-stages' programs, one micro-batch) and the largest per-device memory XLA reports (one
-micro-batch of one stage, without the optimizer state the step model adds), next to the
-planner's predicted forward+backward peak.  Compiling needs no memory for the weights.
+program of its step is compiled on the same mesh shapes, and the compiled HLO is read back
+(`autopar.cost_model.hlo_audit`): collective bytes by kind over one step
+(`PipelineCompiled.collective_bytes_per_step`: each program times its calls, loops times
+their trip counts) and the largest stage's compiled peak per device
+(`PipelineCompiled.stage_memory_bytes`), next to the planner's stage memory.  Compiling
+needs no memory for the weights.
 The results go into the suite's JSON (`rows[i]["audit"]`) and its markdown.
 """
 

@@ -275,11 +275,13 @@ def markdown(suite: str, cluster: ClusterSpec, rows: list[dict], wall_s: float) 
     audited = [r for r in rows if r.get("audit")]
     if audited:
         lines += ["", "autopar's plans compiled on emulated CPU devices with the same mesh shapes "
-                  "(`python -m benchmarks.audit`): collective bytes of one micro-batch (all "
-                  "stages' forward and backward programs) and the largest per-device memory "
-                  "XLA reports for one stage program, next to the planner's stage memory "
-                  "(which adds optimizer state and 1F1B in-flight residuals):", "",
-                  "| devices | model | collective bytes (one micro-batch) | compiled memory / "
+                  "(`python -m benchmarks.audit`): collective bytes per device of one step "
+                  "(every program the step runs, times its calls per step; collectives in "
+                  "loops times their trip counts) and the compiled peak per device of the "
+                  "largest stage (`PipelineCompiled.stage_memory_bytes`: the stage's "
+                  "programs' memory_analysis, its 1F1B in-flight residuals and the optimizer "
+                  "state its apply-grad holds), next to the planner's stage memory:", "",
+                  "| devices | model | collective bytes (one step) | compiled memory / "
                   "device | planner stage memory / device | compile (s) |",
                   "|---|---|---|---|---|---|"]
         for r in audited:
