@@ -418,7 +418,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             memory_bytes=stage_memory_bytes(best.priced, best.programs, params, graph, micro,
                                             in_flight, state_bytes_per_param_byte, zero),
             layer_plans=layer_plans, state_specs=tuple(sorted(
-                (vid, spec) for vid, spec in state_specs(
+                (vid, spec) for vid, (spec, _) in state_layouts(
                     best.priced, best.programs, params, graph, zero).items()
                 if vid in wanted and spec != specs.get(vid)))))
     stages, per_step_s = _with_transfers(stages, graph, diff, params, cluster, per_host)
@@ -530,11 +530,12 @@ def param_layouts(priced: Sequence[_Priced], programs: Sequence[pipeline.StagePr
     return out
 
 
-def state_specs(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
-                params: set[int], graph: Graph, shard: bool) -> dict[int, Spec]:
-    """The layout of each parameter's reduced gradient and optimizer state on the stage:
+def state_layouts(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
+                  params: set[int], graph: Graph, shard: bool
+                  ) -> dict[int, tuple[Spec, MeshContext]]:
+    """(spec, mesh) of each parameter's reduced gradient and optimizer state on the stage:
     its spec cut over the data-parallel axes (`state_split`) when `shard`, else its spec."""
-    return {vid: state_split(spec, graph.values[vid].shape, mesh) if shard else spec
+    return {vid: (state_split(spec, graph.values[vid].shape, mesh) if shard else spec, mesh)
             for vid, (spec, mesh) in param_layouts(priced, programs, params).items()}
 
 
@@ -543,9 +544,8 @@ def held_param_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.Stag
     """Parameter bytes per device of a stage made of these layer solutions (a parameter
     read by several layers counts once, at the layout of the first); with `shard_state`,
     at its state layout (the bytes of parameter the device updates and holds state for)."""
-    meshes = {vid: mesh for vid, (_, mesh) in param_layouts(priced, programs, params).items()}
-    return sum(graph.values[vid].nbytes / meshes[vid].shards(spec) for vid, spec in
-               state_specs(priced, programs, params, graph, shard_state).items())
+    return sum(graph.values[vid].nbytes / mesh.shards(spec) for vid, (spec, mesh) in
+               state_layouts(priced, programs, params, graph, shard_state).items())
 
 
 def update_time_s(param_bytes: float, state_bytes_per_param_byte: float,
