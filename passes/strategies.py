@@ -116,6 +116,22 @@ def compute_s(info: EqnInfo, shards: int, mesh: MeshContext) -> float:
                                   info.eqn_out_dtype, mesh.cluster)
 
 
+def layout_compute_s(info: EqnInfo, shards: int, specs: Sequence[Spec],
+                     mesh: MeshContext) -> float:
+    """Roofline seconds per device of a strategy whose output and operands take `specs`
+    (output first): the FLOPs cut `shards` ways, and each operand and output read or
+    written at its own layout — a data-parallel matmul reads its whole (replicated)
+    weight on every device, which `compute_s` (every byte cut `shards` ways) misses.
+    Bytes fused away by XLA (`fused_bytes`) scale the total alike."""
+    whole = info.eqn.bytes_accessed
+    nbytes = sum(b / max(mesh.shards(spec), 1)
+                 for b, spec in zip((info.out_nbytes[0],) + tuple(info.in_nbytes), specs))
+    if info.fused_bytes is not None and whole > 0:
+        nbytes *= info.fused_bytes / whole
+    return compute.compute_time_s(info.eqn.flops / max(shards, 1), nbytes,
+                                  info.eqn_out_dtype, mesh.cluster)
+
+
 def replicated_strategy(info: EqnInfo, mesh: MeshContext, name: str = "replicated") -> Strategy:
     return Strategy(name, tuple(replicated(len(s)) for s in info.out_shapes),
                     tuple(replicated(len(s)) for s in info.in_shapes),
@@ -369,7 +385,7 @@ def slot_strategies(info: EqnInfo, mesh: MeshContext, slots: Sequence[Slot],
         if not all(mesh.divides(s, spec) for s, spec in zip(shapes, specs)):
             continue
         used = [a for a, si in zip(axes, assign) if si is not None]
-        comp = compute_s(info, mesh.dim_shards(used), mesh)
+        comp = layout_compute_s(info, mesh.dim_shards(used), specs, mesh)
         name = prefix + " " + " ".join(f"{slots[si].label}@{a}"
                                        for a, si in zip(axes, assign) if si is not None)
         ospec, ins = specs[0], tuple(specs[1:])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from autopar.cost_model import ClusterSpec
+from autopar.cost_model.compute import compute_time_s
 from autopar.graph import Graph
 from autopar.passes import strategies as st
 from autopar.passes.intra_op import run as intra_op_run
@@ -132,9 +133,26 @@ def test_dot_strategies_cover_alpa_cases():
     rs = [t for t in strategies if "reducescatter" in t.name
           and t.in_specs == ((("x",), ("y",)), (("y",), ()))]
     assert rs and rs[0].comm_s < s.comm_s
-    # Splitting divides the compute.
+    # Splitting divides the compute: each operand is read at its own layout (a is cut 2
+    # ways, b 4 ways, the output 8 ways), so the split costs less than a replicated dot.
     rep = by_specs[((((), ()), ((), ())), ((), ()))]
-    assert rep.compute_s > 4 * by_specs[(((("x",), ()), ((), ("y",))), (("x",), ("y",)))].compute_s
+    assert rep.compute_s > 2 * by_specs[(((("x",), ()), ((), ("y",))), (("x",), ("y",)))].compute_s
+
+
+def test_dot_prices_each_operand_at_its_layout():
+    """A data-parallel matmul reads its whole weight on every device; a tensor-parallel
+    one reads 1/8 of it. Same FLOPs per device, so on a memory-bound dot (a few rows
+    against a large weight) the data-parallel strategy is the dearer one."""
+    info = _info(lambda a, b: a @ b, jnp.ones((64, 1024)), jnp.ones((1024, 1024)))
+    by_specs = {(s.in_specs, s.out_specs[0]): s for s in st.enumerate_dot(info, MESH_1D)}
+    dp = by_specs[(((("x",), ()), ((), ())), (("x",), ()))]          # rows split
+    tp = by_specs[((((), ()), ((), ("x",))), ((), ("x",)))]          # weight columns split
+    assert dp.comm_s == tp.comm_s == 0
+    nbytes = 4 * (64 * 1024 / 8 + 1024 * 1024 + 64 * 1024 / 8)     # dp's bytes per device
+    flops = 2 * 64 * 1024 * 1024 / 8
+    assert dp.compute_s == pytest.approx(compute_time_s(flops, nbytes, jnp.float32,
+                                                        MESH_1D.cluster))
+    assert dp.compute_s > 2 * tp.compute_s
 
 
 def test_follow_rules():
