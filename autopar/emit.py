@@ -17,7 +17,12 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from autopar.graph import Graph, is_numeric
-from autopar.passes.sharding_spec import Spec, full_rematerialization, gather_first
+from autopar.passes.sharding_spec import (
+    Spec,
+    full_rematerialization,
+    gather_first,
+    is_slice,
+)
 
 from .plan import Plan
 
@@ -41,36 +46,59 @@ class Constraints:
     scatter reads in another layout (`on_operand`) — hooks for `autopar.interpret`."""
 
     values: dict[int, NamedSharding]
-    operands: dict[tuple[int, int], NamedSharding]
-    # (equation, operand) → the gathered layout its reshard goes through first.
-    via: dict[tuple[int, int], NamedSharding] = dataclasses.field(default_factory=dict)
+    # (equation, operand) → the layouts the operand is constrained to, in order: the last
+    # is the one the equation reads; a reshard that XLA would do by replicating the whole
+    # value goes through the gathered layout first.
+    operands: dict[tuple[int, int], tuple[NamedSharding, ...]]
 
     @staticmethod
     def build(graph: Graph, mesh: Mesh, value_specs: Iterable[tuple[int, Spec]],
               operand_specs: Iterable[tuple[int, int, Spec]],
-              input_specs: Iterable[tuple[int, Spec]] = ()) -> Constraints:
+              input_specs: Iterable[tuple[int, Spec]] = (),
+              raw_inputs: Iterable[tuple[int, Spec]] = ()) -> Constraints:
         """`input_specs`: (value, spec) of the program's inputs, the sources of reshards
-        that `value_specs` does not name."""
-        value_specs = list(value_specs)
-        operand_specs = list(operand_specs)
-        values = {vid: NamedSharding(mesh, to_pspec(spec)) for vid, spec in value_specs
-                  if is_numeric(graph.values[vid].dtype)}
-        # Operands that a matmul/conv/gather/scatter reads in another layout are pinned too:
-        # XLA then reshards exactly as the plan priced (and on CPU, jax 0.10.2, leaving the
-        # choice to the partitioner gave wrong attention logits for one such reshard).
-        operands = {(e, k): NamedSharding(mesh, to_pspec(spec)) for e, k, spec in operand_specs}
-        # A move of a split between dims with several mesh axes involved goes through the
-        # gathered layout first: XLA's partitioner would replicate the whole value instead
-        # ("involuntary full rematerialization").
+        that `value_specs` does not name.  `raw_inputs`: (input value, the layout it
+        arrives in) of inputs that stay alive anyway (a stage's parameters): each reader
+        takes its own layout straight from the arriving value when that is a local slice
+        of it — pinning the value first would make XLA gather it back for a reader that
+        wants more of it (a replicated weight pinned split, then read whole: an all-gather
+        of the weight)."""
+        value_specs = dict(value_specs)
+        numeric = {vid for vid in value_specs if is_numeric(graph.values[vid].dtype)}
+        raw = {vid: spec for vid, spec in raw_inputs if vid in numeric}
+        # A raw input is pinned to the layout it arrives in (a no-op on a committed array;
+        # an abstract argument is otherwise free for the partitioner to lay out).
+        values = {vid: NamedSharding(mesh, to_pspec(raw.get(vid, value_specs[vid])))
+                  for vid in numeric}
         own = dict(input_specs)
         own.update(value_specs)
-        via = {}
+
+        def chain(src: Spec | None, dst: Spec) -> tuple[NamedSharding, ...]:
+            # Operands that a matmul/conv/gather/scatter reads in another layout are pinned
+            # too: XLA then reshards exactly as the plan priced (and on CPU, jax 0.10.2,
+            # leaving the choice to the partitioner gave wrong attention logits for one
+            # such reshard).  A move of a split between dims with several mesh axes
+            # involved goes through the gathered layout first: XLA's partitioner would
+            # replicate the whole value instead ("involuntary full rematerialization").
+            steps = (gather_first(src, dst),) if (
+                src is not None and full_rematerialization(src, dst)) else ()
+            return tuple(NamedSharding(mesh, to_pspec(s)) for s in steps + (dst,))
+
+        operands: dict[tuple[int, int], tuple[NamedSharding, ...]] = {}
         for e, k, spec in operand_specs:
             op = graph.eqns[e].inputs[k]
             src = own.get(op) if isinstance(op, int) else None
-            if src is not None and full_rematerialization(src, spec):
-                via[(e, k)] = NamedSharding(mesh, to_pspec(gather_first(src, spec)))
-        return Constraints(values, operands, via)
+            if src is not None and op in raw and not is_slice(raw[op], spec):
+                # Not a slice of what arrives: first the value's own layout, as planned.
+                operands[(e, k)] = chain(None, src) + chain(src, spec)
+            else:
+                operands[(e, k)] = chain(None if src is not None and op in raw else src,
+                                         spec)
+        for e, eqn in enumerate(graph.eqns if raw else ()):   # raw inputs' other readers
+            for k, op in enumerate(eqn.inputs):
+                if isinstance(op, int) and op in raw and (e, k) not in operands:
+                    operands[(e, k)] = chain(None, value_specs[op])
+        return Constraints(values, operands)
 
     def on_value(self, vid: int, x: Any) -> Any:
         sharding = self.values.get(vid)
@@ -79,13 +107,9 @@ class Constraints:
         return jax.lax.with_sharding_constraint(x, sharding)
 
     def on_operand(self, eqn: int, k: int, x: Any) -> Any:
-        sharding = self.operands.get((eqn, k))
-        if sharding is None:
-            return x
-        gathered = self.via.get((eqn, k))
-        if gathered is not None:
-            x = jax.lax.with_sharding_constraint(x, gathered)
-        return jax.lax.with_sharding_constraint(x, sharding)
+        for sharding in self.operands.get((eqn, k), ()):
+            x = jax.lax.with_sharding_constraint(x, sharding)
+        return x
 
 
 def emit(graph: Graph, plan: Plan, mesh: Mesh, donate_argnums: Sequence[int] = ()):

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, Sharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from autopar.cost_model import hlo_audit
 from autopar.graph import Graph, Lit, is_float
@@ -437,5 +437,13 @@ def _stage_input(x: Any, sharding: Sharding) -> Any:
     called on deleted or donated buffer" in 1 of 8 runs of a 2-process pipeline)."""
     if transfer.multi_process() and isinstance(x, jax.Array) and x.sharding != sharding:
         x = x.copy()
+    elif (isinstance(x, jax.Array) and isinstance(sharding, NamedSharding)
+          and x.sharding.is_fully_replicated and not sharding.is_fully_replicated
+          and x.sharding.device_set != sharding.device_set):
+        # Replicated onto other devices, then sliced there: moved in one `device_put`, the
+        # split copy keeps a hold on `x`'s buffers, and apply-grad's donation of `x` is
+        # then silently refused (a tied embedding read whole by its owner and split by
+        # another stage stayed alive, and every step copied it instead of updating it).
+        x = outer.place(x, NamedSharding(sharding.mesh, PartitionSpec()))
     return outer.place(x, sharding)
 

@@ -166,8 +166,14 @@ class StageRunner:
                     f"for a forward+backward program of {lp.num_values} values, this program "
                     f"has {len(prog.fb.values)} (a plan from another autopar or JAX version?"
                     f" re-run the search)")
+            # The stage's parameters arrive in its input layouts and stay alive: each
+            # reader slices its layout straight from them.
+            arrive = dict(self.plan.input_specs)
+            f_ids = list(prog.fn.diff_ids) + list(prog.fn.nondiff_ids)
+            raw = [(fb_id, arrive.get(f, ((),) * self.graph.values[f].ndim))
+                   for fb_id, f in zip(prog.fb.invars, f_ids) if f in self.param_ids]
             constraints = Constraints.build(prog.fb, self.mesh, lp.value_specs,
-                                            lp.operand_specs)
+                                            lp.operand_specs, raw_inputs=raw)
             grads = [op for op, vid in zip(prog.fb.outvars[prog.num_outs:], prog.fn.diff_ids)
                      if vid in self.param_ids]
             deferral = Deferral.find(prog.fb, prog.backward_eqns, grads, dict(lp.value_specs),

@@ -17,7 +17,7 @@ from autopar.cost_model import hlo_audit
 from autopar.passes.sharding_spec import is_slice
 
 from helpers import assert_same_micro_batched_run, cheap_comm_cluster
-from models import make_case
+from models import make_case, mlp_case
 
 TOL = dict(rtol=2e-4, atol=2e-5)
 FAST = dict(time_limit_s=5.0)
@@ -48,7 +48,10 @@ def test_data_parallel_stages_reduce_gradients_once_per_step(shard_state):
     # exactly once — the bytes of the parameters, not 4x that: one reduce-scatter onto
     # the optimizer state's split (ZeRO-2), whose update's all-gather brings the new
     # parameters back; or, with the state laid out like the parameters, one all-reduce.
-    case = make_case("mlp", "sgd")
+    # Batch 64: 4 rows per device per micro-batch. (With 1 row, the rows weigh less than
+    # the weights each device reads whole, and the stages' layer solutions replicate the
+    # activations instead.)
+    case = mlp_case(batch=64)
     state, batch = case.init()
     step = autopar.parallelize(case.step, method=autopar.Manual3DParallel(
         dp=4, tp=1, pp=2, num_micro_batches=4, shard_optimizer_state=shard_state, **FAST),
@@ -93,6 +96,67 @@ def test_stage_programs_take_the_planned_layouts():
                 checked += 1
     assert checked
     assert_same_micro_batched_run(case, step, 4, **TOL)
+
+
+def test_parameters_are_read_from_the_layout_they_arrive_in():
+    """A parameter that arrives replicated, pinned split for one reader and read whole by
+    another: pinning the value first makes XLA all-gather it back (a weight's all-gather
+    per call); reading each layout from the arriving value (`raw_inputs`) slices
+    locally. Same numbers either way."""
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+    from autopar.emit import Constraints
+    from autopar.graph import Graph
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("x",), axis_types=(AxisType.Auto,))
+    w = jax.random.normal(jax.random.key(0), (64, 32))
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+    graph = Graph.from_jaxpr(jax.make_jaxpr(lambda w, x: (x @ w, w * 2.0))(w, x))
+    wid, xid = graph.invars
+    dot = next(e for e, eqn in enumerate(graph.eqns) if wid in eqn.inputs and
+               len(eqn.inputs) == 2 and xid in eqn.inputs)
+    split, whole = (("x",), ()), ((), ())
+
+    def program(raw):
+        hooks = Constraints.build(graph, mesh, [(wid, split)], [(dot, 1, whole)],
+                                  raw_inputs=[(wid, whole)] if raw else ())
+
+        def f(w, x):
+            env = {wid: hooks.on_value(wid, w), xid: x}
+            graph.run_eqns(range(len(graph.eqns)), env, hooks.on_value, hooks.on_operand)
+            return [env[v] for v in graph.outvars]
+        rep = NamedSharding(mesh, PartitionSpec())
+        return jax.jit(f, in_shardings=(rep, rep)).lower(w, x).compile()
+
+    pinned, raw = program(False), program(True)
+    gathered = hlo_audit.audit(pinned, (8,), ("x",)).bytes_by_kind()
+    assert gathered.get("all-gather", 0) >= w.nbytes * 7 / 8
+    assert hlo_audit.audit(raw, (8,), ("x",)).collectives == ()
+    for a, b in zip(pinned(w, x), raw(w, x)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(raw(w, x)[0]), np.asarray(x @ w), rtol=1e-5)
+
+
+def test_a_stage_input_moved_and_split_leaves_the_original_donatable():
+    """A parameter replicated on its owner's devices and split on another stage's: the
+    moved copy must not keep a hold on the original, or apply-grad's donation of it is
+    silently refused (JAX keeps the buffer and the update is a copy)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from autopar.runtime import _stage_input
+
+    devices = np.array(jax.devices()[:8])
+    owner = Mesh(devices[:4].reshape(2, 2), ("x", "y"))
+    other = Mesh(devices[4:].reshape(2, 2), ("x", "y"))
+    x = jax.device_put(np.arange(64 * 32, dtype=np.float32).reshape(64, 32),
+                       NamedSharding(owner, PartitionSpec()))
+    split = NamedSharding(other, PartitionSpec(("x", "y"), None))
+    moved = _stage_input(x, split)
+    assert moved.sharding == split
+    np.testing.assert_array_equal(np.asarray(moved), np.asarray(x))
+    update = jax.jit(lambda a: a * 2, donate_argnums=0)
+    update(x)
+    assert x.is_deleted()
 
 
 def test_state_keeps_its_layout_and_is_donated():
