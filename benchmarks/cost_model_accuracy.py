@@ -465,14 +465,17 @@ def plot(audit_rows, measured_rows, path: pathlib.Path) -> None:
 
 # Written from the full run's figures (benchmarks/results/cost_model_accuracy.json).
 ANALYSIS = """
-## Why prediction and audit disagree (run of 2026-11-23, memory model of passes/memory.py)
+## Why prediction and audit disagree (run of 2026-11-24, memory model of passes/memory.py)
 
 Re-pricing a plan's own layout on its own cluster (`passes/intra_op.price_specs`)
 reproduces the search's objective (last summary line), so the figures compare the plan that
-was emitted.  Volumes are per-device α-β byte terms on both sides.
+was emitted.  Volumes are per-device α-β byte terms on both sides.  Since the run of
+2026-11-23, a matmul's compute reads each operand at its own layout
+(`strategies.layout_compute_s`), and a reshard that puts a new axis ahead of the ones a dim
+keeps is priced as the collective-permute XLA emits for it (`sharding_spec.reorders`).
 
 1. **Memory: 7/16 within ±10% (was 0/16 with the per-value count).**  The predicted figure
-   is now `passes/memory.py`'s estimate of the compiled step (fused elementwise chains,
+   is `passes/memory.py`'s estimate of the compiled step (fused elementwise chains,
    outputs aliased to donated inputs, unreduced partial sums combined in buckets,
    resharded copies).  Every MLP plan but ZeRO-3 is within 1% (0.99–1.01).  What is left:
    * *GPT, every plan under-predicted (0.70–0.86)*: the temp term.  GPT dp: predicted temp
@@ -483,22 +486,27 @@ was emitted.  Volumes are per-device α-β byte terms on both sides.
      treats as fused (the "+ elementwise fused" what-if column is 0.58–0.90 on GPT);
    * *ZeRO-3 (MLP 0.83, GPT 0.86)*: the parameter all-gathers' full-size outputs; the
      estimate keeps each gathered parameter only until its first reader.
-2. **Communication bytes 13/16 within ±15%.**  Off: ZeRO-3 (0.70 MLP, 0.74 GPT: on CPU
-   XLA lowers each reduce-scatter to all-reduce + dynamic-slice, JAX-NOTES, doubling its
-   bytes) and GPT auto 2×4 (0.78).
+2. **Communication bytes 14/16 within ±15%.**  Off: ZeRO-3 only (0.70 MLP, 0.74 GPT: on
+   CPU XLA lowers each reduce-scatter to all-reduce + dynamic-slice, JAX-NOTES, doubling
+   its bytes).  GPT auto 2×4 (0.78 on 2026-11-23) is now 1.00.  With operand-layout
+   pricing alone, its search chose rows split over y alone and then read them split over
+   (x, y), which the model took for a free slice: XLA moves every block (18
+   collective-permutes, audited 230 µs against 127 predicted).  Priced, the search avoids
+   them: audited 119 µs (128.6 before both changes).
 3. **Step time on 8xA100-80GB: 13/16 within ±25%; ranking by predicted vs audited time:
    Spearman 0.98 (GPT), 0.75 (MLP); the best plan (dp) is predicted right for both.**
-   The misordered pairs are the 2×4 meshes, over-priced (MLP tp 2×4 1.24, auto 2×4 1.30,
-   GPT tp 2×4 1.57, auto 2×4 1.26): a collective over both axes is priced as one
-   collective per axis, XLA emits one over the 8-device group.
+   The misordered pairs are the 2×4 meshes, over-priced (MLP tp 2×4 1.25, auto 2×4 1.30,
+   GPT tp 2×4 1.58): the byte volumes agree, so it is the time per byte or latency of
+   the collectives over both axes (not attributed yet).
 4. **XLA's involuntary full rematerializations: 0 on all 16 plans** (counted from the
    compile's log, `autopar.cost_model.compile_log`): reshards that move a split between
    dims with several mesh axes are emitted through the gathered layout (`gather_first`)
    and priced as all-gathers.
-5. **cpu-local timings are not usable in this run**: load average 6 on 2 shared cores;
-   predictions are 0.15–0.40 of the measured medians and the same layout measured 21 and
-   41 ms (MLP tp 1×8 vs 8×1), so the measured ranking (Spearman 0.14 MLP, 0.57 GPT) is
-   noise-dominated.
+5. **cpu-local: predictions are 0.45–0.70 of the measured medians** (load average ~1.3
+   in this run, against 6 in the last).  The GPT ranking is close (Spearman 0.84: the
+   best plan, auto 1×8, is predicted right); the MLP's is not (0.29): its eight plans
+   measured 11.2–21.3 ms, seven of them within 11.2–14.2 ms, closer together than the
+   machine's run-to-run spread, and dp is last on both sides.
 """
 
 

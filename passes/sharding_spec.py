@@ -168,15 +168,21 @@ def state_split(spec: Spec, shape: Sequence[int], mesh: MeshContext) -> Spec:
 def reshard_s(src: Spec, dst: Spec, nbytes: float, mesh: MeshContext) -> float:
     """Seconds to turn a value of `nbytes` (whole) laid out as `src` into `dst`.
 
-    Per mesh axis: dropped → all-gather; added → a local slice (free); moved to another
-    dim → all-to-all when it is the only axis involved, else an all-gather (the emitter
-    routes such a move through `gather_first`, because XLA's partitioner would otherwise
-    replicate the whole value: `full_rematerialization`).  Each collective moves the part
-    of the value still split on the other axes.
+    Per mesh axis: dropped → all-gather; added → a local slice (free) when it goes after
+    the axes its dim keeps, else the devices' blocks are reordered (`reorders`: XLA sends
+    each device its new block: a collective-permute of the finer of the two shards); moved to
+    another dim → all-to-all when it is the only axis involved, else an all-gather (the
+    emitter routes such a move through `gather_first`, because XLA's partitioner would
+    otherwise replicate the whole value: `full_rematerialization`).  Each collective
+    moves the part of the value still split on the other axes.
     """
     if src == dst:
         return 0.0
     total = 0.0
+    if reorders(src, dst):
+        moved = sorted(mesh.axes_used(src) | mesh.axes_used(dst))
+        finer = max(mesh.shards(src), mesh.shards(dst), 1)   # permuted at the finer split
+        total += collectives.send_recv_s(nbytes / finer, 2, mesh.group_link(moved))
     several = len(mesh.axes_used(src) | mesh.axes_used(dst)) > 1
     for axis in mesh.split_axes:
         s_dim = _dim_of(src, axis)
@@ -223,9 +229,23 @@ def gather_first(src: Spec, dst: Spec) -> Spec:
 
 
 def is_slice(src: Spec, dst: Spec) -> bool:
-    """Whether `dst` only cuts `src` finer: every axis splitting `src` splits the same dim of
-    `dst` (a local slice, no communication, fused into the consumer by XLA)."""
-    return all(_dim_of(dst, a) == d for d, axes in enumerate(src) for a in axes)
+    """Whether `dst` only cuts `src` finer: every dim of `dst` starts with the axes that
+    split it in `src`, in order (a local slice, no communication, fused into the consumer
+    by XLA).  A new axis ahead of them is not: on a 2x4 mesh, rows split 4 ways over y and
+    then 8 ways over (x, y) give device (x, y) block 4x + y of 8, which it does not hold."""
+    return all(tuple(d_axes[:len(s_axes)]) == tuple(s_axes) for s_axes, d_axes in zip(src, dst))
+
+
+def reorders(src: Spec, dst: Spec) -> bool:
+    """Whether the blocks the devices hold must move between devices beyond what the
+    gathers and all-to-alls of the axes that leave a dim do: in some dim, the axes it keeps
+    are not the leading axes of `src`'s (a major axis leaves, a minor one stays) or not the
+    leading axes of `dst`'s (a new axis goes ahead of them)."""
+    for s_axes, d_axes in zip(src, dst):
+        kept = tuple(a for a in s_axes if a in d_axes)
+        if kept and (tuple(s_axes[:len(kept)]) != kept or tuple(d_axes[:len(kept)]) != kept):
+            return True
+    return False
 
 
 def _dim_of(spec: Spec, axis: str) -> int | None:

@@ -16,6 +16,7 @@ from autopar.passes.sharding_spec import (
     MeshContext,
     enumerate_specs,
     is_slice,
+    reorders,
     replicated,
     reshard_s,
     state_split,
@@ -105,6 +106,43 @@ def test_reshard_costs():
     move = reshard_s((("x",),) + ((),), ((), ("x",)), nbytes, MESH_1D)
     assert gather > 0 and move > 0
     assert reshard_s((("x",), ()), ((), ()), nbytes, MESH_1D) > move  # a2a < all-gather
+
+
+# (src, dst) on the 2x4 mesh: whether the devices' blocks move (XLA: a collective-permute).
+REORDER_CASES = [
+    ((("y",), ()), (("x", "y"), ()), True),    # x goes ahead of y: block 4x+y, not held
+    ((("y",), ()), (("y", "x"), ()), False),   # x after y: a local slice
+    ((("x",), ()), (("x", "y"), ()), False),
+    ((("x", "y"), ()), (("y",), ()), True),    # the major axis leaves, the minor stays
+    ((("x", "y"), ()), (("x",), ()), False),   # the minor axis leaves: an all-gather
+    ((("x",), ("y",)), (("x",), ()), False),
+]
+
+
+@pytest.mark.parametrize("src,dst,moves", REORDER_CASES)
+def test_reorders_matches_the_collective_permutes_xla_emits(src, dst, moves):
+    from jax.sharding import AxisType, Mesh, NamedSharding
+
+    from autopar.cost_model import hlo_audit
+    from autopar.emit import to_pspec
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"),
+                axis_types=(AxisType.Auto,) * 2)
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32,
+                             sharding=NamedSharding(mesh, to_pspec(src)))
+    compiled = jax.jit(lambda a: jax.lax.with_sharding_constraint(
+        a, NamedSharding(mesh, to_pspec(dst))) * 2).lower(x).compile()
+    kinds = {c.kind for c in hlo_audit.audit(compiled, (2, 4), ("x", "y")).collectives}
+    assert reorders(src, dst) == moves == ("collective-permute" in kinds), kinds
+    assert is_slice(src, dst) == (not moves and not kinds)
+    nbytes = 64 * 128 * 4
+    # Priced: the permute of the finer shard on top of any gather.
+    permute = CLUSTER.intra_host.alpha_s + nbytes / 8 * CLUSTER.intra_host.beta_s_per_byte
+    cost = reshard_s(src, dst, nbytes, MESH_2D)
+    if moves:
+        assert cost >= permute
+    elif not kinds:
+        assert cost == 0
 
 
 def _info(fun, *args, eqn_index=0) -> st.EqnInfo:
