@@ -20,6 +20,7 @@ there, as XLA would have done it) — correct, only not deferred.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -206,26 +207,48 @@ class DeferredBackward:
         return GradSum({axes: stacked})
 
 
-def reduce_to(parts: Mapping[tuple[str, ...], Any], spec: Spec, mesh: Mesh) -> Any:
+def reduce_to(parts: Mapping[tuple[str, ...], Any], spec: Spec, mesh: Mesh,
+              have: Spec | None = None) -> Any:
     """The sum of a gradient's `parts` laid out as `spec` on `mesh` (the step's one
     reduction).  A stack of partial sums over axes A is reduce-scattered onto the dims of
     `spec` that A's axes split (ZeRO's gradient layout) and all-reduced over the axes of A
-    that `spec` leaves whole, in one `jax.shard_map` over A — when every dim of `spec` that
-    an axis of A splits is split by axes of A only; otherwise it is summed and laid out by
-    the partitioner (which, on CPU, all-reduces and slices)."""
+    that `spec` leaves whole, in one `jax.shard_map`.  `have`: the layout the parts are
+    accumulated in beyond their stack axis (`stacked_spec`'s), kept through the reduction
+    so that no axis outside A is gathered first.  Without it the shard_map is manual over
+    A only — when every dim of `spec` that an axis of A splits is split by axes of A only;
+    otherwise the stack is summed and laid out by the partitioner (which, on CPU,
+    all-reduces and slices)."""
     out = None
     for axes, x in parts.items():
-        y = _scatter(x, axes, spec, mesh) if axes else x
+        y = _scatter(x, axes, spec, mesh, have) if axes else x
         out = y if out is None else out + y
     return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, to_pspec(spec)))
 
 
-def _scatter(stack: Any, axes: tuple[str, ...], spec: Spec, mesh: Mesh) -> Any:
+def _scatter(stack: Any, axes: tuple[str, ...], spec: Spec, mesh: Mesh,
+             have: Spec | None = None) -> Any:
     manual = set(axes)
     dims = [d for d, on in enumerate(spec) if manual & set(on)]
+    whole = tuple(a for a in axes if not any(a in on for on in spec))
+    if have is not None:
+        kept = _strip(have, axes)
+        cut = {d: tuple(a for a in spec[d] if a in manual) for d in dims}
+        shape = stack.shape[1:]
+        if all(shape[d] % math.prod(mesh.shape[a] for a in kept[d] + cut.get(d, ())) == 0
+               for d in range(len(shape))):
+            # Manual over every axis: each device reduce-scatters its own block of the
+            # layout the parts are kept in (the other axes' splits stay where they are).
+            def local_kept(x):
+                x = x[0]
+                for d in dims:
+                    x = jax.lax.psum_scatter(x, cut[d], scatter_dimension=d, tiled=True)
+                return jax.lax.psum(x, whole) if whole else x
+
+            out_spec = tuple(kept[d] + cut.get(d, ()) for d in range(len(shape)))
+            return jax.shard_map(local_kept, mesh=mesh, in_specs=to_pspec((axes,) + kept),
+                                 out_specs=to_pspec(out_spec))(stack)
     if any(not set(spec[d]) <= manual for d in dims):
         return stack.sum(axis=0)
-    whole = tuple(a for a in axes if not any(a in on for on in spec))
 
     def local(x):
         x = x[0]

@@ -374,7 +374,9 @@ class StageRunner:
         """(each parameter's gradient, reduced once; the mean of each float F output over
         the micro-batches, the last micro-batch's integer ones)."""
         grad_acc, out_acc = acc
-        return ([reduce_to(parts, self.state_specs[v], self.mesh)
+        specs = dict(self.plan.input_specs)
+        return ([reduce_to(parts, self.state_specs[v], self.mesh, have=self._grad_specs.get(
+                    v) or specs.get(v, ((),) * self.graph.values[v].ndim))
                  for v, parts in zip(self.param_ids, grad_acc)],
                 [x * jnp.asarray(self.scale, x.dtype) if is_float(x.dtype) else x
                  for x in out_acc])

@@ -159,6 +159,34 @@ def test_a_stage_input_moved_and_split_leaves_the_original_donatable():
     assert x.is_deleted()
 
 
+@pytest.mark.parametrize("have,spec", [
+    (((), ("y",)), (("x",), ("y",))),      # the state split joins the kept one
+    ((("y",), ()), (("x", "y"), ())),      # on the same dim: y stays major, then a permute
+    (((), ()), (("x",), ())),              # nothing kept
+])
+def test_gradient_reduction_keeps_the_accumulators_other_splits(have, spec):
+    """Partial sums stacked over x (a 2x2 mesh), the gradient split over y as they were
+    accumulated: the step's one reduction reduce-scatters over x each device's own block,
+    and gathers nothing over y first."""
+    from jax.sharding import AxisType, Mesh, NamedSharding
+
+    from autopar.emit import to_pspec
+    from autopar.grad_accum import reduce_to, stacked_spec
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"),
+                axis_types=(AxisType.Auto,) * 2)
+    stack = jax.random.normal(jax.random.key(0), (2, 64, 32))
+    layout = NamedSharding(mesh, to_pspec(stacked_spec(have, ("x",))))
+    fn = jax.jit(lambda s: reduce_to({("x",): s}, spec, mesh, have=have),
+                 in_shardings=layout).lower(jax.device_put(stack, layout)).compile()
+    kinds = hlo_audit.audit(fn, (2, 2), ("x", "y")).bytes_by_kind()
+    assert "all-gather" not in kinds and "all-reduce" not in kinds, kinds
+    assert kinds["reduce-scatter"] == 64 * 32 * 4 / mesh.shape["y"] ** (have != ((), ())), kinds
+    out = fn(jax.device_put(stack, layout))
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, to_pspec(spec)), out.ndim)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(stack.sum(0)), rtol=1e-6)
+
+
 def test_state_keeps_its_layout_and_is_donated():
     case = make_case("gpt", "adamw")
     state, batch = case.init()
