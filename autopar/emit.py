@@ -90,12 +90,12 @@ class Constraints:
         for e, k, spec in operand_specs:
             op = graph.eqns[e].inputs[k]
             src = own.get(op) if isinstance(op, int) else None
-            if src is not None and op in raw and not is_slice(raw[op], spec):
-                # Not a slice of what arrives: first the value's own layout, as planned.
+            if src is None or op not in raw:
+                operands[(e, k)] = chain(src, spec)
+            elif is_slice(raw[op], spec):
+                operands[(e, k)] = chain(None, spec)
+            else:   # not a slice of what arrives: first the value's own layout, as planned
                 operands[(e, k)] = chain(None, src) + chain(src, spec)
-            else:
-                operands[(e, k)] = chain(None if src is not None and op in raw else src,
-                                         spec)
         for e, eqn in enumerate(graph.eqns if raw else ()):   # raw inputs' other readers
             for k, op in enumerate(eqn.inputs):
                 if isinstance(op, int) and op in raw and (e, k) not in operands:

@@ -229,34 +229,29 @@ def _scatter(stack: Any, axes: tuple[str, ...], spec: Spec, mesh: Mesh,
              have: Spec | None = None) -> Any:
     manual = set(axes)
     dims = [d for d, on in enumerate(spec) if manual & set(on)]
+    cut = {d: tuple(a for a in spec[d] if a in manual) for d in dims}
     whole = tuple(a for a in axes if not any(a in on for on in spec))
-    if have is not None:
-        kept = _strip(have, axes)
-        cut = {d: tuple(a for a in spec[d] if a in manual) for d in dims}
-        shape = stack.shape[1:]
-        if all(shape[d] % math.prod(mesh.shape[a] for a in kept[d] + cut.get(d, ())) == 0
-               for d in range(len(shape))):
-            # Manual over every axis: each device reduce-scatters its own block of the
-            # layout the parts are kept in (the other axes' splits stay where they are).
-            def local_kept(x):
-                x = x[0]
-                for d in dims:
-                    x = jax.lax.psum_scatter(x, cut[d], scatter_dimension=d, tiled=True)
-                return jax.lax.psum(x, whole) if whole else x
-
-            out_spec = tuple(kept[d] + cut.get(d, ()) for d in range(len(shape)))
-            return jax.shard_map(local_kept, mesh=mesh, in_specs=to_pspec((axes,) + kept),
-                                 out_specs=to_pspec(out_spec))(stack)
-    if any(not set(spec[d]) <= manual for d in dims):
-        return stack.sum(axis=0)
 
     def local(x):
         x = x[0]
         for d in dims:
-            x = jax.lax.psum_scatter(x, tuple(spec[d]), scatter_dimension=d, tiled=True)
+            x = jax.lax.psum_scatter(x, cut[d], scatter_dimension=d, tiled=True)
         return jax.lax.psum(x, whole) if whole else x
 
-    out_spec = tuple(tuple(spec[d]) if d in dims else () for d in range(len(spec)))
+    shape = stack.shape[1:]
+    kept = _strip(have, axes) if have is not None else None
+    if kept is not None and all(
+            shape[d] % math.prod(mesh.shape[a] for a in kept[d] + cut.get(d, ())) == 0
+            for d in range(len(shape))):
+        # Manual over every axis: each device reduce-scatters its own block of the layout
+        # the parts are kept in (the other axes' splits stay where they are).
+        out_spec = tuple(kept[d] + cut.get(d, ()) for d in range(len(shape)))
+        return jax.shard_map(local, mesh=mesh, in_specs=to_pspec((axes,) + kept),
+                             out_specs=to_pspec(out_spec))(stack)
+    if any(not set(spec[d]) <= manual for d in dims):
+        return stack.sum(axis=0)
+    # Manual over A only (every dim it scatters onto is split by axes of A alone).
+    out_spec = tuple(cut.get(d, ()) for d in range(len(spec)))
     return jax.shard_map(local, mesh=mesh, in_specs=to_pspec((axes,)),
                          out_specs=to_pspec(out_spec), axis_names=manual)(stack)
 

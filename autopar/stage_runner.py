@@ -91,6 +91,9 @@ class StageRunner:
         self.input_shardings = {v: NamedSharding(mesh, to_pspec(specs[v])) if v in specs
                                 else NamedSharding(mesh, PartitionSpec())
                                 for v in self.program.inputs}
+        # Each input's layout as the plan gives it (replicated where it gives none).
+        self.input_specs: dict[int, Spec] = {
+            v: specs.get(v, ((),) * graph.values[v].ndim) for v in self.program.inputs}
         self.static_ids = tuple(v for v in self.program.inputs if v in static_ids)
         self.micro_ids = tuple(v for v in self.program.inputs if v not in static_ids)
         values = graph.values
@@ -103,8 +106,7 @@ class StageRunner:
         # — or the parameter's own.
         state = dict(plan.state_specs)
         self.state_specs: dict[int, Spec] = {
-            v: state.get(v) or specs.get(v, ((),) * graph.values[v].ndim)
-            for v in self.param_ids}
+            v: state.get(v) or self.input_specs[v] for v in self.param_ids}
         self.state_shardings = {v: NamedSharding(mesh, to_pspec(self.state_specs[v]))
                                 for v in self.param_ids}
         self.act_ct_ids = tuple(v for v in self.micro_ids
@@ -168,9 +170,8 @@ class StageRunner:
                     f" re-run the search)")
             # The stage's parameters arrive in its input layouts and stay alive: each
             # reader slices its layout straight from them.
-            arrive = dict(self.plan.input_specs)
             f_ids = list(prog.fn.diff_ids) + list(prog.fn.nondiff_ids)
-            raw = [(fb_id, arrive.get(f, ((),) * self.graph.values[f].ndim))
+            raw = [(fb_id, self.input_specs[f])
                    for fb_id, f in zip(prog.fb.invars, f_ids) if f in self.param_ids]
             constraints = Constraints.build(prog.fb, self.mesh, lp.value_specs,
                                             lp.operand_specs, raw_inputs=raw)
@@ -259,8 +260,9 @@ class StageRunner:
         return jax.ShapeDtypeStruct(v.shape, v.dtype)
 
     def _planned_grad_specs(self) -> dict[int, Spec]:
-        """Per parameter, the layout its layer's plan gives its gradient (the first layer
-        that reads it: the backward adds the later layers' contributions into it)."""
+        """Per parameter, the layout its gradient is accumulated in: the one its layer's
+        plan gives it (the first layer that reads it: the backward adds the later layers'
+        contributions into it), else the parameter's own."""
         out: dict[int, Spec] = {}
         plans = self.plan.layer_plans or []
         for layer, lp in zip(reversed(self.layers), reversed(plans)):
@@ -269,16 +271,15 @@ class StageRunner:
             for op, vid in zip(prog.fb.outvars[prog.num_outs:], prog.fn.diff_ids):
                 if vid in self.param_ids and isinstance(op, int) and op in specs:
                     out[vid] = specs[op]
-        return out
+        return {v: out.get(v) or self.input_specs[v] for v in self.param_ids}
 
     def accumulator_shardings(self) -> list[dict[tuple[str, ...], NamedSharding]]:
         """The accumulators' layouts: each gradient as its layer's plan computes it (partial
         sums stacked on a leading axis), so that adding a micro-batch's gradient moves no
         data; `finalize` reduces and lays them out as the parameters once per step."""
         out = []
-        specs = dict(self.plan.input_specs)
         for v in self.param_ids:
-            spec = self._grad_specs.get(v) or specs.get(v, ((),) * self.graph.values[v].ndim)
+            spec = self._grad_specs[v]
             out.append({axes: NamedSharding(self.mesh, to_pspec(
                 stacked_spec(spec, axes) if axes else spec)) for axes in self._grad_parts[v]})
         return out
@@ -374,9 +375,7 @@ class StageRunner:
         """(each parameter's gradient, reduced once; the mean of each float F output over
         the micro-batches, the last micro-batch's integer ones)."""
         grad_acc, out_acc = acc
-        specs = dict(self.plan.input_specs)
-        return ([reduce_to(parts, self.state_specs[v], self.mesh, have=self._grad_specs.get(
-                    v) or specs.get(v, ((),) * self.graph.values[v].ndim))
+        return ([reduce_to(parts, self.state_specs[v], self.mesh, have=self._grad_specs[v])
                  for v, parts in zip(self.param_ids, grad_acc)],
                 [x * jnp.asarray(self.scale, x.dtype) if is_float(x.dtype) else x
                  for x in out_acc])

@@ -179,11 +179,11 @@ def reshard_s(src: Spec, dst: Spec, nbytes: float, mesh: MeshContext) -> float:
     if src == dst:
         return 0.0
     total = 0.0
+    involved = mesh.axes_used(src) | mesh.axes_used(dst)
     if reorders(src, dst):
-        moved = sorted(mesh.axes_used(src) | mesh.axes_used(dst))
-        finer = max(mesh.shards(src), mesh.shards(dst), 1)   # permuted at the finer split
-        total += collectives.send_recv_s(nbytes / finer, 2, mesh.group_link(moved))
-    several = len(mesh.axes_used(src) | mesh.axes_used(dst)) > 1
+        finer = max(mesh.shards(src), mesh.shards(dst))   # permuted at the finer split
+        total += collectives.send_recv_s(nbytes / finer, 2, mesh.group_link(sorted(involved)))
+    several = len(involved) > 1
     for axis in mesh.split_axes:
         s_dim = _dim_of(src, axis)
         d_dim = _dim_of(dst, axis)
