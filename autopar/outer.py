@@ -45,6 +45,7 @@ class Segment:
     donate: tuple[int, ...] = ()
     fn: Any = None
     local: bool = True
+    copies: frozenset = frozenset()   # tiny values this segment recomputes, not its to output
 
 
 def _nbytes(v: Any) -> int:
@@ -102,30 +103,104 @@ def state_layouts(jaxpr: jcore.Jaxpr, eqns: Sequence[int], known: Mapping[Any, t
     return out
 
 
+# A value at most this large (bytes), computed only from values as small that exist before
+# the segments run (an optimizer's step count), is recomputed on every stage that reads it:
+# sending it costs a transfer and a segment boundary (Adam's bias corrections, computed on
+# one stage, cut every other stage's update in two programs).
+TINY_BYTES = 64
+
+
+def tiny_eqns(jaxpr: jcore.Jaxpr, indices: Sequence[int]) -> set[int]:
+    """The equations among `indices` whose outputs are tiny and whose inputs are tiny values
+    made before them (outside `indices`, or by a tiny equation), with no side effects."""
+    produced = {v for i in indices for v in jaxpr.eqns[i].outvars}
+    tiny: set[int] = set()
+    tiny_vars: set[Any] = set()
+    for i in indices:
+        e = jaxpr.eqns[i]
+        ins = [v for v in e.invars if not isinstance(v, jcore.Literal)]
+        if (not e.effects and all(_nbytes(v) <= TINY_BYTES for v in e.outvars)
+                and all(v in tiny_vars or (v not in produced and _nbytes(v) <= TINY_BYTES)
+                        for v in ins)):
+            tiny.add(i)
+            tiny_vars.update(e.outvars)
+    return tiny
+
+
 def assign(jaxpr: jcore.Jaxpr, indices: Sequence[int], home: dict[Any, int]) -> list[Segment]:
     """Groups equations `indices` into segments (see the module docstring); `home` (variable
-    → stage) is read and extended."""
+    → stage) is read and extended.  Tiny equations (`tiny_eqns`) join every segment that
+    reads their outputs; the copy on the outputs' home stage (or the first) owns them."""
+    tiny = tiny_eqns(jaxpr, indices)
+    producer = {v: i for i in tiny for v in jaxpr.eqns[i].outvars}
     rounds: dict[Any, int] = {}
     groups: dict[tuple[int, int], Segment] = {}
+    needs: dict[tuple[int, int], set[int]] = collections.defaultdict(set)
     for i in indices:
+        if i in tiny:
+            continue
         eqn = jaxpr.eqns[i]
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
-        known = [v for v in ins if v in home]
+        known = [v for v in ins if v in home and v not in producer]
         stage = home[max(known, key=_nbytes)] if known else 0
         for v in eqn.outvars:
             if v in home:   # a value with a layout of its own decides where it is made
                 stage = home[v]
                 break
         for v in ins:
-            home.setdefault(v, stage)
-        r = max([rounds.get(v, 0) + (home[v] != stage) for v in ins], default=0)
+            if v not in producer:
+                home.setdefault(v, stage)
+        # Values made before the segments run are available everywhere at round 0.
+        r = max([rounds[v] + (home[v] != stage) for v in ins if v in rounds], default=0)
         seg = groups.get((r, stage))
         if seg is None:
             seg = groups[(r, stage)] = Segment(stage, [])
         seg.eqns.append(i)
+        needs[(r, stage)].update(producer[v] for v in ins if v in producer)
         for v in eqn.outvars:
             home.setdefault(v, stage)
             rounds[v] = r
+    # Each segment recomputes the tiny equations it reads, with their tiny ancestors; one on
+    # the outputs' home stage makes them too when no reader there does (new state, such as
+    # a step count, stays where it lives).
+    def close(wanted: set[int]) -> None:
+        todo = list(wanted)
+        while todo:
+            for v in jaxpr.eqns[todo.pop()].invars:
+                j = None if isinstance(v, jcore.Literal) else producer.get(v)
+                if j is not None and j not in wanted:
+                    wanted.add(j)
+                    todo.append(j)
+
+    for wanted in needs.values():
+        close(wanted)
+    stage_of: dict[int, int] = {}
+    for i in sorted(tiny):
+        e = jaxpr.eqns[i]
+        readers = [k for k in sorted(groups) if i in needs[k]]
+        stage = next((home[v] for v in e.outvars if v in home), None)
+        if stage is None:
+            known = [v for v in e.invars if not isinstance(v, jcore.Literal) and v in home]
+            stage = home[known[0]] if known else readers[0][1] if readers else 0
+        stage_of[i] = stage
+        if not any(k[1] == stage for k in readers):
+            key = min((k for k in groups if k[1] == stage), default=(0, stage))
+            if key not in groups:
+                groups[key] = Segment(stage, [])
+            needs[key].add(i)
+            close(needs[key])
+    for i in sorted(tiny):
+        outs = jaxpr.eqns[i].outvars
+        readers = [k for k in sorted(groups) if i in needs[k]]
+        owner = next(k for k in readers if k[1] == stage_of[i])
+        for k in readers:
+            groups[k].eqns.append(i)
+            if k != owner:
+                groups[k].copies = groups[k].copies | frozenset(outs)
+        for v in outs:
+            home.setdefault(v, stage_of[i])
+    for seg in groups.values():
+        seg.eqns.sort()
     return [groups[k] for k in sorted(groups)]
 
 
@@ -154,7 +229,8 @@ def wire(closed: jcore.ClosedJaxpr, segments: list[Segment], needed_later: set[A
     for k, seg in enumerate(segments):
         produced = [v for i in seg.eqns for v in jaxpr.eqns[i].outvars]
         used_elsewhere = {v for other in segments if other is not seg for v in other.inputs}
-        seg.outputs = [v for v in produced if v in used_elsewhere or v in needed_later]
+        seg.outputs = [v for v in produced if v not in seg.copies
+                       and (v in used_elsewhere or v in needed_later)]
         replicated = NamedSharding(meshes[seg.stage], PartitionSpec())
 
         def sharding(v: Any, stage: int = seg.stage, default: Sharding = replicated
@@ -202,9 +278,11 @@ def place(x: Any, sharding: Sharding, private: bool = False) -> Any:
         return x
     if transfer.multi_process():
         return transfer.move(x, sharding)
-    if private and isinstance(x, jax.Array):
+    if not isinstance(x, jax.Array):
+        return jax.device_put(x, sharding)
+    if private:
         x = x.copy()
-    return jax.device_put(x, sharding)
+    return transfer.local_move(x, sharding)
 
 
 def place_all(xs: Sequence[Any], shardings: Sequence[Sharding]) -> list[Any]:

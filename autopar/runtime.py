@@ -81,6 +81,7 @@ class PipelineRuntime:
         for s, st in enumerate(self.stages):
             for v in st.program.inputs:
                 self.owner.setdefault(v, s)
+        self._lay_out_transfers(programs)
         self._splitters = [self._splitter(st) for st in self.stages]
         self.pre, self.post = self._outer(ties, donate)
         self.in_flight_max: list[int] = [0] * len(self.stages)
@@ -101,6 +102,36 @@ class PipelineRuntime:
                       == alternating)
 
     # ---- construction -----------------------------------------------------------------------
+
+    def _lay_out_transfers(self, programs: Sequence[Any]) -> None:
+        """Each activation leaves its stage in the tiling its first reader takes it in, and
+        each cotangent goes back in the tiling of its activation's planned layout
+        (`StageRunner.send`), where the two stages have as many devices."""
+        # Where each cotangent arrives: its activation's planned layout on the producer.
+        self._ct_shardings = {v: self.stages[self.stage_of_value[v]].output_sharding(v)
+                              for st in self.stages for v in st.act_ct_ids
+                              if v in self.stage_of_value}
+
+        def devices(st: StageRunner) -> list[jax.Device]:
+            return list(st.mesh.devices.flat)
+
+        sends: list[dict[int, Sharding]] = []
+        for s, st in enumerate(self.stages):
+            sends.append({})
+            for v in st.float_outs + st.int_outs:
+                reader = next((c for c in range(s + 1, len(self.stages))
+                               if v in programs[c].inputs), None)
+                if reader is not None and len(devices(self.stages[reader])) == len(devices(st)):
+                    sends[s][v] = transfer.with_tiling(
+                        self.stages[reader].input_shardings[v], devices(st))
+        for st, outs in zip(self.stages, sends):
+            cts = {}
+            for v in st.act_ct_ids:
+                p = self.stage_of_value.get(v)
+                if p is not None and len(devices(self.stages[p])) == len(devices(st)):
+                    cts[v] = transfer.with_tiling(self.stages[p].output_sharding(v),
+                                                  devices(st))
+            st.send(outs, cts)
 
     def _splitter(self, st: StageRunner):
         """One jit per stage: every batch input it reads → its N micro-batches, in the
@@ -219,7 +250,7 @@ class PipelineRuntime:
                     act_cts = st.remote_backward()
                 alive[s] -= 1
                 for v, g in zip(st.act_ct_ids, act_cts):
-                    g = outer.place(g, acts[(v, m)].sharding)
+                    g = outer.place(g, self._ct_shardings.get(v) or acts[(v, m)].sharding)
                     if (v, m) in cts:   # a second consumer: add on the producer's devices
                         g = cts[(v, m)] + g if self.stages[self.stage_of_value[v]].local else g
                     cts[(v, m)] = g

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from autopar.graph import Graph, is_float
 from autopar.passes.sharding_spec import Spec
@@ -138,17 +138,39 @@ class StageRunner:
         # not run a stage still know where its results live (transfer.placeholder).
         self.local = transfer.is_local(NamedSharding(mesh, PartitionSpec()))
         self.act_ct_shardings = [self.input_shardings[v] for v in self.act_ct_ids]
-        self.forward = jax.jit(self._forward, out_shardings=(
-            [self.output_sharding(v) for v in self.float_outs],
-            [self.output_sharding(v) for v in self.int_outs], None))
-        # Activation cotangents: XLA picks their layout (forcing the consumer's input layout
-        # costs an all-gather where the backward leaves them split); across processes they
-        # need a layout known to every process (the consumer's input layout).
-        ct_sh = self.act_ct_shardings if transfer.multi_process() else None
-        self.backward = jax.jit(self._backward, donate_argnums=(4,),
-                                out_shardings=(ct_sh, self._acc_shardings))
+        self._sends: dict[int, Sharding] = {}
+        self._ct_sends: dict[int, Sharding] = {}
+        self._build_step_programs()
         self.zeros = jax.jit(self._zeros, out_shardings=self._acc_shardings)
         self.finalize = jax.jit(self._finalize, out_shardings=self._reduced_shardings)
+
+    def _build_step_programs(self) -> None:
+        self.forward = jax.jit(self._forward, out_shardings=(
+            [self.send_sharding(v) for v in self.float_outs],
+            [self.send_sharding(v) for v in self.int_outs], None))
+        # Activation cotangents: as `send` set them; else XLA picks their layout in one
+        # process, and across processes they need a layout known to every process (the
+        # consumer's input layout).
+        ct_sh = ([self._ct_sends.get(v, sh) for v, sh in zip(self.act_ct_ids,
+                                                             self.act_ct_shardings)]
+                 if self._ct_sends or transfer.multi_process() else None)
+        self.backward = jax.jit(self._backward, donate_argnums=(4,),
+                                out_shardings=(ct_sh, self._acc_shardings))
+
+    def send(self, outputs: Mapping[int, Sharding], cotangents: Mapping[int, Sharding]) -> None:
+        """Lays out the outputs a later stage reads and the cotangents sent back to earlier
+        stages as they travel: in the receiver's tiling, on this stage's devices
+        (`transfer.with_tiling`).  The transfer is then a copy shard by shard, and the
+        re-layout happens inside this stage's program instead of a program of its own
+        (or a pass through the host) per micro-batch.  Values missing keep the plan's."""
+        self._sends = dict(outputs)
+        self._ct_sends = dict(cotangents)
+        self._build_step_programs()
+
+    def send_sharding(self, vid: int) -> Sharding:
+        """The layout the forward gives its output `vid`: as it travels (`send`), else the
+        producing layer's planned layout."""
+        return self._sends.get(vid) or self.output_sharding(vid)
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -241,13 +263,14 @@ class StageRunner:
 
     def remote_forward(self) -> tuple[list, list, None]:
         """What `forward` returns, on a process that holds none of the stage's devices."""
-        return (self._placeholders(self.float_outs, map(self.output_sharding, self.float_outs)),
-                self._placeholders(self.int_outs, map(self.output_sharding, self.int_outs)),
+        return (self._placeholders(self.float_outs, map(self.send_sharding, self.float_outs)),
+                self._placeholders(self.int_outs, map(self.send_sharding, self.int_outs)),
                 None)
 
     def remote_backward(self) -> list:
         """The activation cotangents `backward` returns, elsewhere."""
-        return self._placeholders(self.act_ct_ids, self.act_ct_shardings)
+        return self._placeholders(self.act_ct_ids, [
+            self._ct_sends.get(v, sh) for v, sh in zip(self.act_ct_ids, self.act_ct_shardings)])
 
     def remote_finalize(self) -> tuple[list, list]:
         """What `finalize` returns, elsewhere."""
@@ -432,9 +455,10 @@ class StageRunner:
         fwd = self.forward.lower(static, micro)
         floats, _, saved = jax.eval_shape(self._forward, static, micro)
         fwd_sh = fwd.compile().output_shardings
-        out_sh = dict(zip(self.float_outs, fwd_sh[0]))
+        # Cotangents arrive in their activation's planned layout (the runtime puts them
+        # there; `send` lays them out to travel so).
         cts = [jax.ShapeDtypeStruct(self.graph.values[v].shape, self.graph.values[v].dtype,
-                                    sharding=out_sh[v]) for v in self.ct_receivers]
+                                    sharding=self.output_sharding(v)) for v in self.ct_receivers]
         saved_sh = fwd_sh[2]
         saved = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
                  for s, sh in zip(saved, saved_sh)]
