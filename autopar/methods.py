@@ -95,6 +95,9 @@ class StageLayout:
       logical_shape: the one logical mesh shape every stage uses, or None (searched).
       batch_axis: the batch dim of per-micro-batch inputs is split over the first
         logical mesh axis (data parallelism inside each stage).
+      fixed_state_split: with `shard_optimizer_state`, every stage splits its optimizer
+        state (a fixed layout); otherwise each stage splits it where that is faster or
+        where its memory needs it.
     """
 
     num_stages: int | None
@@ -104,6 +107,7 @@ class StageLayout:
     equal_layers: bool = False
     logical_shape: tuple[int, ...] | None = None
     batch_axis: bool = False
+    fixed_state_split: bool = False
 
 
 @runtime_checkable
@@ -283,11 +287,13 @@ class PipeshardParallel:
       submesh_shapes: explicit (hosts, devices) sub-mesh of every stage, in order; the
         search then only chooses the layer ranges.
       memory_budget_bytes / solver / time_limit_s: as in ShardParallel, per stage.
-      shard_optimizer_state: split each parameter's optimizer state, and its update, over
-        the stage's data-parallel mesh axes (ZeRO-2 inside a stage: the gradients are
-        reduce-scattered instead of all-reduced and the updated parameters all-gathered —
-        the same bytes on a ring — while each device holds and updates 1/dp of the
-        state).  False keeps the state laid out like its parameter.
+      shard_optimizer_state: let a stage split each parameter's optimizer state, and its
+        update, over the stage's unused mesh axes (ZeRO-2 inside a stage: the gradients
+        are reduce-scattered instead of all-reduced and the updated parameters
+        all-gathered, while each device holds and updates 1/dp of the state).  The search
+        splits a stage's state where that is faster (the all-gather is priced per
+        parameter layout) or where the stage would not fit its memory otherwise.  False
+        keeps the state laid out like its parameter.
     """
 
     num_micro_batches: int | Literal["auto"] = 1
@@ -338,7 +344,8 @@ class Manual3DParallel:
     """A fixed 3-D layout (a baseline): `pp` stages with equal layer counts, each on
     `dp` x `tp` devices as a (dp, tp) logical mesh with the batch split over dp; the
     sharding inside a stage is then searched on that mesh.  `shard_optimizer_state` as in
-    `PipeshardParallel` (ZeRO-2 over the stage's data-parallel axes)."""
+    `PipeshardParallel`, except that every stage splits its state (ZeRO-2 over the
+    stage's data-parallel axes), as a hand-written plan would."""
 
     dp: int = 1
     tp: int = 1
@@ -370,4 +377,5 @@ class Manual3DParallel:
                                                             devices_per_host)
         return StageLayout(num_stages=self.pp, min_layers=self.pp,
                            submesh_shapes=(submesh,) * self.pp, equal_layers=True,
-                           logical_shape=(self.dp, self.tp), batch_axis=True)
+                           logical_shape=(self.dp, self.tp), batch_axis=True,
+                           fixed_state_split=True)

@@ -4,7 +4,9 @@ final intra-op pass per chosen stage (DESIGN §5).
 Gradients are priced as accumulated over micro-batches and reduced once per step (Alpa,
 Megatron-LM and DeepSpeed do so, and so does the runtime, `grad_accum`): a layer's
 parameter-gradient reduction counts 1/B per micro-batch (the ILP's `comm_scale`), and so
-does the stage's optimizer update (`update_time_s`).
+does each parameter's optimizer update, priced in the layer ILPs at the parameter's layout
+(`StateSplit`: updated whole where it is held, or on its ZeRO-2 split then all-gathered
+back, whichever is faster; every state split where memory needs it).
 
 A layer range's cost on a sub-mesh and logical mesh shape is the sum of its layers' costs
 (each layer's forward+backward solved by the intra-op ILP; layers with the same program
@@ -102,7 +104,8 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
                       input_rule: Callable[[int, MeshContext], Spec | None] | None = None,
                       remat: bool = False, num_micro_batches: int = 1,
                       layer: LayerProgram | None = None,
-                      submit: intra_op.Submit | None = None
+                      submit: intra_op.Submit | None = None,
+                      update: StateSplit | None = None
                       ) -> Callable[[], dict[tuple[int, ...], _Priced]]:
     """Intra-op plans of one layer range's forward+backward on a sub-mesh, one per logical
     mesh shape (`shapes`, default: 1-D and every 2-D factorization).
@@ -114,6 +117,11 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
     producing parameter gradients by 1/B (gradients accumulate locally and are reduced once
     per step), so it chooses layouts for the amortized cost; `cost_s` is per micro-batch
     with that reduction amortized.
+
+    With `update`, each parameter's spec is priced its update once per step (amortized):
+    at that spec, or on its state split plus the all-gather back (`StateSplit.cost_s`). A
+    parameter kept replicated for free slicing is updated whole on every device, or
+    gathered whole after a split update; one split as its readers read it is neither.
 
     `layer` is `LayerProgram.build(graph, program, diff, remat=remat)` when the caller
     already has it (one trace serves every sub-mesh).  The problems are built now and
@@ -134,9 +142,13 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
     # Each micro-batch's parameter gradients are added into the stage's accumulators at
     # their layout (unreduced: a data-parallel layout adds whole gradients on every device).
     traffic = {vid: ACCUMULATE_TRAFFIC for vid in grad_outs}
+    param_inputs = [(fb.invars[k], graph.values[vid]) for k, vid in enumerate(f_ids)
+                    if vid in params] if update is not None else []
     pending = []
     for shape in shapes or logical_shapes(submesh):
         mesh = MeshContext.build(shape, sub)
+        updates = {fv: _update_cost(update, value.shape, value.nbytes, mesh,
+                                    num_micro_batches) for fv, value in param_inputs}
         forced = {}
         if input_rule is not None:
             for pos, vid in enumerate(fb.invars[:len(position)]):
@@ -151,9 +163,66 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
                     forced[vid] = ((mesh.axes[0],),) + ((),) * (v.ndim - 1)
         pending.append((shape, mesh, intra_op.start(
             fb, mesh, forced=forced, batch_size=batch_size, solver=solver,
-            time_limit_s=time_limit_s, comm_scale=scale, traffic=traffic, submit=submit)))
+            time_limit_s=time_limit_s, comm_scale=scale, traffic=traffic,
+            value_costs=updates, submit=submit)))
     return lambda: {shape: _priced(graph, program, layer, position, per_micro_inputs, mesh,
                                    run.result()) for shape, mesh, run in pending}
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSplit:
+    """Which parameters' optimizer state a stage splits over its unused mesh axes (ZeRO-2,
+    `state_split`), and what each parameter's update costs.
+
+    `mode`: "none"; "all"; or "paying": where updating the split and all-gathering the
+    updated parameter back to its layout is faster than updating it whole at its layout."""
+
+    mode: str
+    state_bytes_per_param_byte: float
+    cluster: ClusterSpec
+
+    def _costs_s(self, spec: Spec, shape: tuple[int, ...], nbytes: float,
+                 mesh: MeshContext) -> tuple[float, float]:
+        """(whole update, split update + all-gather) seconds per step."""
+        whole = update_time_s(nbytes / mesh.shards(spec), self.state_bytes_per_param_byte,
+                              self.cluster)
+        if self.mode == "none":
+            return whole, math.inf
+        state = state_split(spec, shape, mesh)
+        split = (update_time_s(nbytes / mesh.shards(state), self.state_bytes_per_param_byte,
+                               self.cluster) + reshard_s(state, spec, nbytes, mesh))
+        return whole, split
+
+    def splits(self, spec: Spec, shape: tuple[int, ...], nbytes: float,
+               mesh: MeshContext) -> bool:
+        if self.mode != "paying":
+            return self.mode == "all"
+        whole, split = self._costs_s(spec, shape, nbytes, mesh)
+        return split < whole
+
+    def cost_s(self, spec: Spec, shape: tuple[int, ...], nbytes: float,
+               mesh: MeshContext) -> float:
+        """Seconds per step of updating a parameter held as `spec` (and gathering it)."""
+        whole, split = self._costs_s(spec, shape, nbytes, mesh)
+        return split if self.splits(spec, shape, nbytes, mesh) else whole
+
+
+def updates_s(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
+              params: set[int], graph: Graph, split: StateSplit, num_micro_batches: int
+              ) -> float:
+    """Seconds per micro-batch of the parameter updates of a stage under `split`, as the
+    layer ILPs price them (`start_price_stage(update=...)`: per layer reading each)."""
+    return sum(split.cost_s(spec, graph.values[vid].shape, graph.values[vid].nbytes, p.mesh)
+               for p, prog in zip(priced, programs)
+               for vid, spec in zip(prog.inputs, p.input_specs)
+               if vid in params) / num_micro_batches
+
+
+def _update_cost(update: StateSplit, shape: tuple[int, ...], nbytes: float,
+                 mesh: MeshContext, num_micro_batches: int) -> Callable[[Spec], float]:
+    def cost(spec: Spec) -> float:
+        return update.cost_s(spec, shape, nbytes, mesh) / num_micro_batches
+    return cost
 
 
 def _priced(graph: Graph, program: pipeline.StageProgram, layer: LayerProgram,
@@ -266,7 +335,15 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     layer_programs = pipeline.stage_programs(graph, [a for a, _ in ranges[1:]])
     budget = method.memory_budget_bytes or cluster.memory_bytes
     kw = dict(solver=method.solver, time_limit_s=method.time_limit_s, batch_size=batch_size)
-    layer_kw = dict(kw, time_limit_s=min(method.time_limit_s, LAYER_TIME_LIMIT_S))
+    # The layer ILPs price each parameter's update at its layout: split where that pays
+    # (or always, for a fixed layout); a stage may then split every parameter's state when
+    # its memory needs it (`stage_options`).
+    zero = method.shard_optimizer_state
+    modes = (["all"] if zero and layout.fixed_state_split else ["paying", "all"] if zero
+             else ["none"])
+    splits = {m: StateSplit(m, state_bytes_per_param_byte, cluster) for m in modes}
+    layer_kw = dict(kw, time_limit_s=min(method.time_limit_s, LAYER_TIME_LIMIT_S),
+                    update=splits[modes[0]])
     layer_cache: dict[tuple[str, tuple[int, int]], dict[tuple[int, ...], _Priced]] = {}
     layer_seen: set[tuple[int, tuple[int, int]]] = set()
     layer_pairs = lay.num_layers * len(
@@ -316,7 +393,6 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         return layer_cache[key]
 
     micro = method.num_micro_batches
-    zero = method.shard_optimizer_state
     link = cluster.inter_host if hosts > 1 else cluster.intra_host
 
     def stage_options(i: int, j: int, submesh: tuple[int, int]) -> list[_StageEstimate]:
@@ -327,17 +403,21 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         out = []
         for shape in options[0]:
             priced = [o[shape] for o in options]
-            update = update_time_s(held_param_bytes(priced, progs, params, graph, zero),
-                                   state_bytes_per_param_byte, cluster)
-            out.append(_StageEstimate(
-                priced, progs, sum(p.cost_s for p in priced)
-                + internal_reshard_s(priced, progs, graph) + update / micro))
+            layers_s = sum(p.cost_s for p in priced) + internal_reshard_s(priced, progs, graph)
+            # The layer ILPs priced the updates under the first mode (splitting where it
+            # pays); the other ("all": every state split, for memory) is repriced here.
+            priced_updates = updates_s(priced, progs, params, graph, splits[modes[0]], micro)
+            for m in modes:
+                own = (priced_updates if m == modes[0] else
+                       updates_s(priced, progs, params, graph, splits[m], micro))
+                out.append(_StageEstimate(priced, progs, layers_s - priced_updates + own,
+                                          splits[m]))
         return out
 
     def fitting(options: list[_StageEstimate], in_flight: int) -> _StageEstimate | None:
         ok = [o for o in options if stage_memory_bytes(
             o.priced, o.programs, params, graph, micro, in_flight,
-            state_bytes_per_param_byte, zero) <= budget]
+            state_bytes_per_param_byte, o.zero) <= budget]
         return min(ok, key=lambda o: o.cost_s) if ok else None
 
     def range_cost(i: int, j: int, submesh: tuple[int, int]) -> float | None:
@@ -416,10 +496,10 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             mesh_axes=mesh.axes, input_specs=tuple(sorted(specs.items())),
             predicted_s=best.cost_s,
             memory_bytes=stage_memory_bytes(best.priced, best.programs, params, graph, micro,
-                                            in_flight, state_bytes_per_param_byte, zero),
+                                            in_flight, state_bytes_per_param_byte, best.zero),
             layer_plans=layer_plans, state_specs=tuple(sorted(
                 (vid, spec) for vid, (spec, _) in state_layouts(
-                    best.priced, best.programs, params, graph, zero).items()
+                    best.priced, best.programs, params, graph, best.zero).items()
                 if vid in wanted and spec != specs.get(vid)))))
     stages, per_step_s = _with_transfers(stages, graph, diff, params, cluster, per_host)
     phases["stage assembly"] = time.perf_counter() - t_phase
@@ -443,11 +523,13 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
 class _StageEstimate:
     """Layers of a stage priced on one logical mesh: their solutions, programs and the
     stage's seconds per micro-batch (layers + resharding between them + amortized update,
-    transfers from other stages not included)."""
+    transfers from other stages not included).  `zero`: which parameters' optimizer state
+    is split (ZeRO-2), their parameters all-gathered after the update."""
 
     priced: list[_Priced]
     programs: list[pipeline.StageProgram]
     cost_s: float
+    zero: StateSplit | None = None
 
 
 def internal_reshard_s(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
@@ -531,16 +613,25 @@ def param_layouts(priced: Sequence[_Priced], programs: Sequence[pipeline.StagePr
 
 
 def state_layouts(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
-                  params: set[int], graph: Graph, shard: bool
+                  params: set[int], graph: Graph, shard: bool | StateSplit | None
                   ) -> dict[int, tuple[Spec, MeshContext]]:
     """(spec, mesh) of each parameter's reduced gradient and optimizer state on the stage:
-    its spec cut over the data-parallel axes (`state_split`) when `shard`, else its spec."""
-    return {vid: (state_split(spec, graph.values[vid].shape, mesh) if shard else spec, mesh)
+    its spec cut over the data-parallel axes (`state_split`) where `shard` splits it (True:
+    every parameter), else its spec."""
+    def cut(vid: int, spec: Spec, mesh: MeshContext) -> bool:
+        if isinstance(shard, StateSplit):
+            v = graph.values[vid]
+            return shard.splits(spec, v.shape, v.nbytes, mesh)
+        return bool(shard)
+
+    return {vid: (state_split(spec, graph.values[vid].shape, mesh)
+                  if cut(vid, spec, mesh) else spec, mesh)
             for vid, (spec, mesh) in param_layouts(priced, programs, params).items()}
 
 
 def held_param_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
-                     params: set[int], graph: Graph, shard_state: bool = False) -> float:
+                     params: set[int], graph: Graph,
+                     shard_state: bool | StateSplit | None = False) -> float:
     """Parameter bytes per device of a stage made of these layer solutions (a parameter
     read by several layers counts once, at the layout of the first); with `shard_state`,
     at its state layout (the bytes of parameter the device updates and holds state for)."""
@@ -559,7 +650,8 @@ def update_time_s(param_bytes: float, state_bytes_per_param_byte: float,
 
 def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
                        params: set[int], graph: Graph, micro: int, in_flight: int,
-                       state_bytes_per_param_byte: float, shard_state: bool = False) -> float:
+                       state_bytes_per_param_byte: float,
+                       shard_state: bool | StateSplit | None = False) -> float:
     """Bytes per device of a stage made of these layer solutions: forward+backward peaks
     (their gradient outputs double as the accumulator: gradients are added in place, as
     Megatron-LM's main_grad) + optimizer state (split over the data-parallel axes with

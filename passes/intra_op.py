@@ -19,7 +19,7 @@ import dataclasses
 import math
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -127,6 +127,7 @@ def start(graph: Graph, mesh: MeshContext, *,
           time_limit_s: float = 60.0,
           comm_scale: Mapping[int, float] | None = None,
           traffic: Mapping[int, float] | None = None,
+          value_costs: Mapping[int, Callable[[Spec], float]] | None = None,
           submit: Submit | None = None) -> PendingRun:
     """`run` in two halves: builds the problem now and, given `submit`, hands it to a
     solver running elsewhere; `.result()` waits for the answer and reads the plan off it
@@ -147,11 +148,15 @@ def start(graph: Graph, mesh: MeshContext, *,
         layout) by work outside the program that each run pays for — e.g. 3 for a
         parameter gradient added into an accumulator (read both, write the sum) — priced
         at the mesh's memory bandwidth on the value's producer.
+      value_costs: value id → seconds each run pays, as a function of the value's spec,
+        for work outside the program (e.g. a parameter's all-gather after an update on
+        its ZeRO split, amortized over the micro-batches).
       submit: where to solve (default: here, when `.result()` is called).
     """
     t0 = time.perf_counter()
     builder = _built(graph, mesh, forced, ties, batch_size, comm_scale)
     builder.add_traffic(traffic or {})
+    builder.add_value_costs(value_costs or {})
     # Solve without the memory rows first: most plans fit, and the unconstrained problem
     # reduces much further (memory-free leaves and chains are eliminated exactly).
     problem = builder.problem(None)
@@ -585,14 +590,21 @@ class _ProblemBuilder:
         """`start`'s `traffic`: each value's extra memory traffic, per strategy of its group
         (a value without a decision is replicated: the same cost for every plan)."""
         bandwidth = self.mesh.cluster.memory_bandwidth_bytes_per_s
-        for vid, factor in traffic.items():
+
+        def cost(factor: float, nbytes: float) -> Callable[[Spec], float]:
+            return lambda spec: factor * nbytes / self.mesh.shards(spec) / bandwidth
+
+        self.add_value_costs({vid: cost(factor, self.graph.values[vid].nbytes)
+                              for vid, factor in traffic.items()})
+
+    def add_value_costs(self, costs: Mapping[int, Callable[[Spec], float]]) -> None:
+        """`start`'s `value_costs`: seconds per strategy of the value's group (a value
+        without a decision is replicated: the same cost for every plan)."""
+        for vid, fn in costs.items():
             gid = self.group_of.get(vid)
             if gid is None:
                 continue
-            nbytes = self.graph.values[vid].nbytes
-            self.groups[gid].compute_s += np.array(
-                [factor * nbytes / self.mesh.shards(spec) / bandwidth
-                 for spec in self.specs[vid]])
+            self.groups[gid].compute_s += np.array([fn(spec) for spec in self.specs[vid]])
 
     # -- the problem ------------------------------------------------------------------------
 

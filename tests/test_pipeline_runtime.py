@@ -312,25 +312,56 @@ def _shard_bytes(x) -> int:
     return int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
 
 
-def test_optimizer_state_split_opt_out_and_memory():
-    # Without the split the moments keep their parameter's layout; with it, the planner
-    # prices less memory per device and the compiled step holds less.
+def test_optimizer_state_split_where_it_pays_or_memory_needs_it():
+    # Without the split the moments keep their parameter's layout.  With it allowed, a
+    # stage splits its state where that is faster or where its memory needs it: on this
+    # small model the all-gather after a split update costs more than the smaller update
+    # saves, so no split; under a budget the unsplit stage does not fit, the state is
+    # split, the planner prices less memory and the compiled step holds less.
     case = make_case("mlp", "adamw")
     state, batch = case.init()
-    steps = {z: autopar.parallelize(case.step, method=autopar.PipeshardParallel(
-        num_micro_batches=2, num_stages=1, shard_optimizer_state=z, **FAST), donate_argnums=())
-        for z in (True, False)}
-    s, _ = steps[False](state, batch)
+
+    def step(split: bool, budget: float | None = None):
+        return autopar.parallelize(case.step, method=autopar.PipeshardParallel(
+            num_micro_batches=2, num_stages=1, shard_optimizer_state=split,
+            memory_budget_bytes=budget, **FAST), donate_argnums=())
+
+    off = step(False)
+    s, _ = off(state, batch)
     for p, m in zip(jax.tree.leaves(s["params"]), jax.tree.leaves(s["opt_state"][1][0].mu)):
         assert m.sharding == p.sharding
-    plans = {z: step.get_plan(state, batch) for z, step in steps.items()}
-    assert not plans[False].stages[0].state_specs and plans[True].stages[0].state_specs
-    assert plans[True].predicted.memory_bytes < plans[False].predicted.memory_bytes
-    compiled = {z: max(step.lower(state, batch).compile().stage_memory_bytes())
-                for z, step in steps.items()}
+    plan_off = off.get_plan(state, batch)
+    assert not plan_off.stages[0].state_specs
+    assert not step(True).get_plan(state, batch).stages[0].state_specs
+    budget = plan_off.predicted.memory_bytes * 0.999
+    tight = step(True, budget)
+    plan = tight.get_plan(state, batch)
+    assert plan.stages[0].state_specs
+    assert plan.predicted.memory_bytes <= budget
+    compiled = {z: max(f.lower(state, batch).compile().stage_memory_bytes())
+                for z, f in ((True, tight), (False, off))}
     assert compiled[True] < compiled[False], compiled
     with pytest.raises(ValueError, match="shard_optimizer_state"):
         autopar.PipeshardParallel(shard_optimizer_state="yes")
+
+
+def test_parameters_are_kept_as_read_not_gathered_after_the_update():
+    """The layer ILPs price each parameter layout's all-gather after a split update, so
+    a tensor-parallel stage keeps its weights split as its layers read them (no gather)
+    instead of replicated for free slicing (a whole all-gather per step).  Wide MLP on
+    one 8-device stage, the one-stage step's programs read by their HLO."""
+    case = mlp_case(batch=64, hidden=256, layers=2, optimizer="adamw")
+    state, batch = case.init()
+    step = autopar.parallelize(case.step, method=autopar.PipeshardParallel(
+        num_micro_batches=2, num_stages=1, **FAST), donate_argnums=())
+    plan = step.get_plan(state, batch)
+    weights = [v for v, spec in plan.stages[0].input_specs if len(spec) == 2
+               and step.trace(state, batch).executable.graph.values[v].shape == (256, 256)]
+    assert weights
+    audit = _step_audit(step, (state, batch))
+    gathered = audit.get("apply", {}).get("all-gather", 0.0)
+    assert gathered < 0.1 * _param_bytes(state), (audit, plan.stages[0].input_specs)
+    assert_same_micro_batched_run(case, step, 2, **TOL)
 
 
 def test_donation_opt_out():
