@@ -14,7 +14,8 @@ per-micro-batch work the plan did not price):
 
 Median wall time of `--steps` steps after two warm-up steps; a model's pipeline rows take
 their steps in turns (one step of each row, `--steps` times), so that the shared machine's
-slow spells land on every row alike.  Writes benchmarks/results/runtime_overhead.md and .json.
+slow spells land on every row alike; so do jax.jit and ShardParallel on 1 device (20 x
+`--steps` steps for the ~100 µs step).  Writes benchmarks/results/runtime_overhead.md and .json.
 """
 
 from __future__ import annotations
@@ -75,12 +76,6 @@ def _gpt_case():
         return new, metrics["loss"]
 
     return loss_only, state, batch
-
-
-def _time(step: Callable, state, batch, steps: int) -> float:
-    """Median seconds per step (on a copy of the state, threaded through; two warm-up
-    steps)."""
-    return _time_interleaved({"": step}, state, batch, steps)[""]
 
 
 def _time_interleaved(steps_by_label: dict[str, Callable], state, batch,
@@ -151,19 +146,19 @@ def single_device_rows(steps: int) -> list[dict]:
     import autopar
 
     one = jax.devices()[:1]
-    cases = {"~10 ms step (mlp 4x1024, batch 512)": _mlp_case(512, 1024, 4),
-             "~100 µs step (mlp 2x64, batch 32)": _mlp_case(32, 64, 2)}
+    # (case, steps measured): a ~100 µs step is measured 20x as often (a 50 µs hiccup of
+    # the shared machine is half a step).
+    cases = {"~10 ms step (mlp 4x1024, batch 512)": (_mlp_case(512, 1024, 4), steps),
+             "~100 µs step (mlp 2x64, batch 32)": (_mlp_case(32, 64, 2), 20 * steps)}
     rows = []
-    for name, (step, state, batch) in cases.items():
+    for name, ((step, state, batch), count) in cases.items():
         with jax.default_device(one[0]):
             state, batch = jax.device_put((state, batch), one[0])
             jitted = jax.jit(step, donate_argnums=0)
             par = autopar.parallelize(step, devices=one)
-            t_jit, t_par = [], []
-            for _ in range(3):   # interleaved repeats: the machine is shared
-                t_jit.append(_time(jitted, state, batch, steps))
-                t_par.append(_time(par, state, batch, steps))
-        jit_s, par_s = statistics.median(t_jit), statistics.median(t_par)
+            # One step of each in turn: a slow spell of the machine lands on both alike.
+            times = _time_interleaved({"jit": jitted, "par": par}, state, batch, count)
+        jit_s, par_s = times["jit"], times["par"]
         print(f"{name}: jit {jit_s * 1e6:.1f} µs, ShardParallel {par_s * 1e6:.1f} µs",
               file=sys.stderr, flush=True)
         rows.append({"case": name, "jit_us": round(jit_s * 1e6, 1),
@@ -179,7 +174,8 @@ def markdown(pipe: list[dict], single: list[dict], steps: int) -> str:
              "devices share this machine's cores, so pipelining cannot speed anything up: the "
              "ratios measure overhead (goals: 1 stage ≤ 1.15, 2 stages ≤ 1.4 of "
              "ShardParallel with the same micro-batches; ShardParallel on 1 device ≤ 1.05 of "
-             "jax.jit).", "",
+             f"jax.jit; one step of each in turn, {steps} steps, 20 x as many for the "
+             "~100 µs step).", "",
              "| model | step | ms | vs ShardParallel(4 µb) |", "|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['step']} | {r['ms']:.2f} | {r['ratio']:.2f} |" for r in pipe]
     lines += ["", "| 1 device | jax.jit µs | ShardParallel µs | ratio |", "|---|---|---|---|"]
