@@ -4,7 +4,9 @@ equation and everything after it (apply-grad), run once per step.
 Its equations are grouped into jitted segments, each on one stage's mesh: an equation runs
 on the stage holding most of its input bytes, one round after any input made on another
 stage (a transfer happens between rounds), so data only flows forward — a global-norm
-clip, say, becomes per-stage partial norms, one combine, per-stage updates.
+clip, say, becomes per-stage partial norms, one combine, per-stage updates.  Tiny values
+made only from tiny values that exist before the step's segments run (an optimizer's step
+count and Adam's bias corrections) are recomputed by every segment that reads them.
 
 Layouts: every parameter lives on its owner stage (the first that reads it) in that stage's
 planned layout; its gradient, and every value computed from them by elementwise equations
@@ -45,7 +47,7 @@ class Segment:
     donate: tuple[int, ...] = ()
     fn: Any = None
     local: bool = True
-    copies: frozenset = frozenset()   # tiny values this segment recomputes, not its to output
+    copies: frozenset = frozenset()   # tiny values recomputed here; another segment outputs them
 
 
 def _nbytes(v: Any) -> int:
@@ -160,9 +162,19 @@ def assign(jaxpr: jcore.Jaxpr, indices: Sequence[int], home: dict[Any, int]) -> 
         for v in eqn.outvars:
             home.setdefault(v, stage)
             rounds[v] = r
-    # Each segment recomputes the tiny equations it reads, with their tiny ancestors; one on
-    # the outputs' home stage makes them too when no reader there does (new state, such as
-    # a step count, stays where it lives).
+    _add_tiny(jaxpr, tiny, producer, groups, needs, home)
+    for seg in groups.values():
+        seg.eqns.sort()
+    return [groups[k] for k in sorted(groups)]
+
+
+def _add_tiny(jaxpr: jcore.Jaxpr, tiny: set[int], producer: Mapping[Any, int],
+              groups: dict[tuple[int, int], Segment], needs: dict[tuple[int, int], set[int]],
+              home: dict[Any, int]) -> None:
+    """Adds to each segment (key (round, stage) in `groups`) the tiny equations it reads
+    (`needs`), with their tiny ancestors; one on the outputs' home stage makes them too when
+    no reader there does (new state, such as a step count, stays where it lives) and owns
+    them, the others recompute them for themselves (`Segment.copies`)."""
     def close(wanted: set[int]) -> None:
         todo = list(wanted)
         while todo:
@@ -199,9 +211,6 @@ def assign(jaxpr: jcore.Jaxpr, indices: Sequence[int], home: dict[Any, int]) -> 
                 groups[k].copies = groups[k].copies | frozenset(outs)
         for v in outs:
             home.setdefault(v, stage_of[i])
-    for seg in groups.values():
-        seg.eqns.sort()
-    return [groups[k] for k in sorted(groups)]
 
 
 def wire(closed: jcore.ClosedJaxpr, segments: list[Segment], needed_later: set[Any],

@@ -180,10 +180,21 @@ class StateSplit:
     mode: str
     state_bytes_per_param_byte: float
     cluster: ClusterSpec
+    # (spec, shape, nbytes, mesh shape, mesh links) -> _costs_s: the stage DP asks for the
+    # same parameters' costs once per layer range.
+    _memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def _costs_s(self, spec: Spec, shape: tuple[int, ...], nbytes: float,
                  mesh: MeshContext) -> tuple[float, float]:
         """(whole update, split update + all-gather) seconds per step."""
+        key = (spec, shape, nbytes, mesh.shape, mesh.links)
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = self._compute_costs_s(spec, shape, nbytes, mesh)
+        return found
+
+    def _compute_costs_s(self, spec: Spec, shape: tuple[int, ...], nbytes: float,
+                         mesh: MeshContext) -> tuple[float, float]:
         whole = update_time_s(nbytes / mesh.shards(spec), self.state_bytes_per_param_byte,
                               self.cluster)
         if self.mode == "none":
@@ -406,13 +417,21 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             layers_s = sum(p.cost_s for p in priced) + internal_reshard_s(priced, progs, graph)
             # The layer ILPs priced the updates under the first mode (splitting where it
             # pays); the other ("all": every state split, for memory) is repriced here.
-            priced_updates = updates_s(priced, progs, params, graph, splits[modes[0]], micro)
+            by_mode = {m: sum(layer_updates_s(k, submesh, p, m)
+                              for k, p in zip(range(i, j + 1), priced)) for m in modes}
             for m in modes:
-                own = (priced_updates if m == modes[0] else
-                       updates_s(priced, progs, params, graph, splits[m], micro))
-                out.append(_StageEstimate(priced, progs, layers_s - priced_updates + own,
-                                          splits[m]))
+                out.append(_StageEstimate(priced, progs,
+                                          layers_s - by_mode[modes[0]] + by_mode[m], splits[m]))
         return out
+
+    layer_updates: dict[tuple[int, tuple[int, int], tuple[int, ...], str], float] = {}
+
+    def layer_updates_s(k: int, submesh: tuple[int, int], p: _Priced, mode: str) -> float:
+        key = (k, submesh, p.mesh.shape, mode)
+        if key not in layer_updates:
+            layer_updates[key] = updates_s([p], [layer_programs[k]], params, graph,
+                                           splits[mode], micro)
+        return layer_updates[key]
 
     def fitting(options: list[_StageEstimate], in_flight: int) -> _StageEstimate | None:
         ok = [o for o in options if stage_memory_bytes(
