@@ -204,18 +204,18 @@ class StateSplit:
                                self.cluster) + reshard_s(state, spec, nbytes, mesh))
         return whole, split
 
+    def _chooses_split(self, whole: float, split: float) -> bool:
+        return self.mode == "all" or (self.mode == "paying" and split < whole)
+
     def splits(self, spec: Spec, shape: tuple[int, ...], nbytes: float,
                mesh: MeshContext) -> bool:
-        if self.mode != "paying":
-            return self.mode == "all"
-        whole, split = self._costs_s(spec, shape, nbytes, mesh)
-        return split < whole
+        return self._chooses_split(*self._costs_s(spec, shape, nbytes, mesh))
 
     def cost_s(self, spec: Spec, shape: tuple[int, ...], nbytes: float,
                mesh: MeshContext) -> float:
         """Seconds per step of updating a parameter held as `spec` (and gathering it)."""
         whole, split = self._costs_s(spec, shape, nbytes, mesh)
-        return split if self.splits(spec, shape, nbytes, mesh) else whole
+        return split if self._chooses_split(whole, split) else whole
 
 
 def updates_s(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],

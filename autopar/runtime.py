@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import Mesh, NamedSharding, Sharding
 
 from autopar.cost_model import hlo_audit
 from autopar.graph import Graph, Lit, is_float
@@ -129,8 +129,7 @@ class PipelineRuntime:
             for v in st.act_ct_ids:
                 p = self.stage_of_value.get(v)
                 if p is not None and len(devices(self.stages[p])) == len(devices(st)):
-                    cts[v] = transfer.with_tiling(self.stages[p].output_sharding(v),
-                                                  devices(st))
+                    cts[v] = transfer.with_tiling(self._ct_shardings[v], devices(st))
             st.send(outs, cts)
 
     def _splitter(self, st: StageRunner):
@@ -468,13 +467,9 @@ def _stage_input(x: Any, sharding: Sharding) -> Any:
     called on deleted or donated buffer" in 1 of 8 runs of a 2-process pipeline)."""
     if transfer.multi_process() and isinstance(x, jax.Array) and x.sharding != sharding:
         x = x.copy()
-    elif (isinstance(x, jax.Array) and isinstance(sharding, NamedSharding)
-          and x.sharding.is_fully_replicated and not sharding.is_fully_replicated
-          and x.sharding.device_set != sharding.device_set):
-        # Replicated onto other devices, then sliced there: moved in one `device_put`, the
-        # split copy keeps a hold on `x`'s buffers, and apply-grad's donation of `x` is
-        # then silently refused (a tied embedding read whole by its owner and split by
-        # another stage stayed alive, and every step copied it instead of updating it).
-        x = outer.place(x, NamedSharding(sharding.mesh, PartitionSpec()))
+    # In one process `outer.place` moves device to device through fresh buffers
+    # (`transfer.local_move`): the moved copy keeps no hold on `x`, whose donation by
+    # apply-grad would otherwise be silently refused (a `device_put` of a replicated tied
+    # embedding onto another stage's split layout did; every step then copied it).
     return outer.place(x, sharding)
 

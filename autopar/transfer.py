@@ -169,8 +169,9 @@ def _same_tiling(a: Sharding, b: Sharding, ndim: int) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=4096)
 def _reshard(sharding: Sharding):
-    """A jitted identity onto `sharding` (its input on the same devices)."""
+    """A jitted identity onto `sharding` (its input on the same devices), one per layout."""
     return jax.jit(_identity, out_shardings=sharding)
 
 
@@ -215,7 +216,7 @@ def _relayout(x: jax.Array, sharding: Sharding) -> jax.Array:
     """`x` re-laid out among its own devices (every process holding some takes part)."""
     if not is_local(x.sharding):
         return placeholder(x.shape, x.dtype, sharding)
-    return jax.jit(lambda a: a, out_shardings=sharding)(x)
+    return _reshard(sharding)(x)
 
 
 def _from_local_copy(x: jax.Array, sharding: Sharding) -> jax.Array:
