@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from autopar.cost_model import ClusterSpec
+from autopar.cost_model.units import format_bytes
 from autopar.graph import Graph
 
 from . import (
@@ -30,6 +31,7 @@ from . import (
 )
 from .emit import build_mesh, emit, to_pspec
 from .methods import Method, ShardParallel
+from .passes.intra_op import MemoryBudgetError
 from .plan import Plan, PlanError, verify_plan
 from .runtime import PipelineRuntime
 
@@ -323,8 +325,44 @@ class ParallelizedFunction:
         # Across processes, process 0 searches (or reads its cache) and every process runs
         # its plan.
         plan = distributed.one_plan(fp, devices, search, check, fixed)
-        return Traced(program, plan, split, traced.out_tree, in_tree, traced.args_info,
-                      _trace=traced, _positions=positions, _trace_static=static, _step=self)
+        out = Traced(program, plan, split, traced.out_tree, in_tree, traced.args_info,
+                     _trace=traced, _positions=positions, _trace_static=static, _step=self)
+        if (fixed is None and devices is not None and not plan.stages
+                and self.method.memory_budget_bytes is not None
+                and not distributed.spans_processes(devices)):
+            out = self._fit_compiled_memory(out, fp, cluster, device_ids)
+        return out
+
+    def _fit_compiled_memory(self, out: Traced, fp: str, cluster: ClusterSpec,
+                             device_ids: list[int]) -> Traced:
+        """A budgeted single-mesh plan, checked against the program XLA builds: its compiled
+        peak per device (`memory_analysis()`: argument + output − alias + temp) must fit
+        `memory_budget_bytes`.  Over it, the search runs again under a cap tightened by the
+        overshoot (the memory model's error on this program), at most `_BUDGET_ROUNDS`
+        times; `MemoryBudgetError` if no searched plan compiles within the budget.  The
+        compiled peaks go into `plan.solver["compiled_memory"]`."""
+        budget = float(self.method.memory_budget_bytes)
+        cap, peaks = budget, []
+        for _ in range(_BUDGET_ROUNDS):
+            peak = compiled_peak_bytes(out.lower().compile())
+            peaks.append(peak)
+            if peak <= budget:
+                record = {"budget_bytes": budget, "compiled_bytes": peaks, "cap_bytes": cap}
+                return dataclasses.replace(out, plan=dataclasses.replace(
+                    out.plan, solver={**out.plan.solver, "compiled_memory": record}))
+            cap *= budget / peak * _BUDGET_MARGIN
+            if self.progress:
+                self.progress(f"compiled peak {format_bytes(peak)} is over the budget "
+                              f"{format_bytes(budget)}: searching under {format_bytes(cap)}")
+            method = dataclasses.replace(self.method, memory_budget_bytes=cap)
+            try:
+                plan = self._search_cached(method, out._trace, None, fp, cluster, device_ids)
+            except MemoryBudgetError:
+                break
+            if plan.value_specs == out.plan.value_specs and plan.in_specs == out.plan.in_specs:
+                break   # a fixed layout (DataParallel, ZeRO): nothing else to try
+            out = dataclasses.replace(out, plan=plan, _executable=None, _layouts={})
+        raise MemoryBudgetError(budget, min(peaks), tuple(out.plan.mesh_shape))
 
     def _trace_for(self, dynamic: list, static: tuple, positions: list[int], in_tree,
                    micro: int, pipelined: bool, cluster: ClusterSpec
@@ -413,6 +451,21 @@ def _verify(plan: Plan, program: planner.Program, split: pipeline.SplitStep | No
                     if split is not None else None)
     verify_plan(plan, program.in_shapes, program.out_shapes, value_shapes,
                 max(device_ids) + 1, stage_value_shapes=stage_shapes)
+
+
+# Searches `_fit_compiled_memory` may run for a budgeted plan, and the margin it takes
+# below the budget on each (the memory model's error is not the same on every layout).
+_BUDGET_ROUNDS = 4
+_BUDGET_MARGIN = 0.99
+
+
+def compiled_peak_bytes(compiled) -> float:
+    """Peak bytes per device of a compiled program, as `memory_budget_bytes` counts them:
+    argument + output − alias + temp (`memory_analysis()`; JAX-NOTES: its peak_memory
+    field omits the temporaries)."""
+    m = compiled.memory_analysis()
+    return float(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                 + m.temp_size_in_bytes)
 
 
 def _state_per_param_byte(program: planner.Program) -> float:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
 import math
 import os
 import pathlib
@@ -91,8 +92,23 @@ class Model:
     model_flops: float | None  # per training step, from a formula; None: cost model's count
 
 
-def load_model(spec: str, batch: int | None) -> Model:
-    """A zoo name (`gpt-1.3b`) or `package.module:function` returning (step, args)."""
+def _config_override(text: str) -> tuple[str, Any]:
+    """FIELD=VALUE for `--set`: VALUE as JSON (1, 2.5, true, "x"), else the bare string."""
+    field, eq, raw = text.partition("=")
+    if not eq or not field:
+        raise UsageError(f"--set: expected FIELD=VALUE, got {text!r}")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return field.strip(), value
+
+
+def load_model(spec: str, batch: int | None, overrides: Sequence[str] = ()) -> Model:
+    """A zoo name (`gpt-1.3b`), its config fields replaced by `overrides` (FIELD=VALUE),
+    or `package.module:function` returning (step, args)."""
+    if ":" in spec and overrides:
+        raise UsageError(f"--set changes a built-in model's config; {spec!r} is a function")
     if ":" in spec:
         mod_name, _, fn_name = spec.partition(":")
         if os.getcwd() not in sys.path and "" not in sys.path:
@@ -121,9 +137,14 @@ def load_model(spec: str, batch: int | None) -> Model:
                          f"(train_step, example_args)")
     if batch is None:
         batch = models.default_batch(spec)
-    step, args = models.train_step_and_args(spec, batch)
-    return Model(f"{spec} (batch {batch})", step, tuple(args),
-                 models.flops_per_step(spec, batch))
+    fields = dict(_config_override(text) for text in overrides)
+    try:
+        step, args = models.train_step_and_args(spec, batch, overrides=fields)
+    except (ValueError, TypeError) as err:
+        raise UsageError(f"--set: {err}") from None
+    changed = "".join(f", {k}={v}" for k, v in fields.items())
+    return Model(f"{spec} (batch {batch}{changed})", step, tuple(args),
+                 models.flops_per_step(spec, batch, fields))
 
 
 # ---- plan ------------------------------------------------------------------------------------
@@ -202,7 +223,7 @@ def cmd_plan(args) -> int:
         method = make_method(args, cluster)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    model = load_model(args.model, args.batch)
+    model = load_model(args.model, args.batch, args.set)
     bar = Progress(enabled=not args.quiet)
     if not args.quiet:
         print(f"planning {model.name} for {cluster.name} ({cluster.num_devices} devices) with "
@@ -362,6 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive_int, default=None, metavar="B",
                    help="global batch size (built-in models: default 1024, gpt-toy 64; "
                         "passed as batch= to a package.module:function)")
+    p.add_argument("--set", action="append", default=[],
+                   metavar="FIELD=VALUE",
+                   help="built-in models: replace a config field, e.g. param_dtype=float16 "
+                        "(float32 master copy in the optimizer state, as Alpa's GPT "
+                        "benchmark) or tied=false; repeatable")
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="peak bytes per device, e.g. 40GiB, 512MiB, 1e9 (default: the "
                         "device's memory)")

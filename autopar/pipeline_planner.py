@@ -671,13 +671,39 @@ def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.St
                        params: set[int], graph: Graph, micro: int, in_flight: int,
                        state_bytes_per_param_byte: float,
                        shard_state: bool | StateSplit | None = False) -> float:
-    """Bytes per device of a stage made of these layer solutions: forward+backward peaks
-    (their gradient outputs double as the accumulator: gradients are added in place, as
-    Megatron-LM's main_grad) + optimizer state (split over the data-parallel axes with
-    `shard_state`) + (in-flight − 1) x residuals."""
-    held = held_param_bytes(priced, programs, params, graph, shard_state)
-    return (sum(p.memory_bytes for p in priced) + state_bytes_per_param_byte * held
-            + (min(in_flight, micro) - 1) * sum(p.residual_bytes for p in priced))
+    """Bytes per device of a stage made of these layer solutions at its peak, as the runtime
+    holds them (`PipelineCompiled.stage_memory_bytes` measures the same terms):
+
+    * the parameters, each once, at the layout of its first reader;
+    * the gradient accumulators, one per parameter at the layout its first reader's
+      backward gives it (gradients are added in place, as Megatron-LM's main_grad);
+    * the optimizer state (split over the data-parallel axes with `shard_state`);
+    * the residuals of every micro-batch in flight (the schedule's `in_flight`, at most
+      `micro`);
+    * the largest transient of one layer's forward+backward: its predicted peak less the
+      parameters, gradients and residuals counted above.  Layers run one after the other,
+      so their temporaries never coexist (summing the layers' peaks counted each layer's
+      parameters-sized temporaries and attention scores once per layer)."""
+    held = held_param_bytes(priced, programs, params, graph, False)
+    state = held_param_bytes(priced, programs, params, graph, shard_state)
+    grads: dict[int, float] = {}
+    transient = 0.0
+    for p, prog in zip(priced, programs):
+        own = 0.0
+        for vid, spec, ct in zip(prog.inputs, p.input_specs, p.ct_out_specs or
+                                 (None,) * len(prog.inputs)):
+            if vid not in params:
+                continue
+            nbytes = graph.values[vid].nbytes
+            own += nbytes / p.mesh.shards(spec)
+            if ct is not None:
+                g = nbytes / p.mesh.shards(ct)
+                own += g
+                grads.setdefault(vid, g)
+        transient = max(transient, p.memory_bytes - own - p.residual_bytes)
+    residuals = sum(p.residual_bytes for p in priced)
+    return (held + sum(grads.values()) + state_bytes_per_param_byte * state
+            + min(in_flight, micro) * residuals + transient)
 
 
 def _program_key(graph: Graph, prog: pipeline.StageProgram, diff: set[int]) -> str:

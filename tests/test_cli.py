@@ -180,6 +180,10 @@ def test_user_errors_exit_2_without_traceback(tmp_path):
                       "dp x tp x pp = 12", "8 devices")
     assert_user_error(autopar_cli("plan", "gpt-toy", "--cluster", "cpu-local", "--batch", "6",
                                   "--micro-batches", "4"), "not divisible")
+    assert_user_error(autopar_cli("plan", "gpt-toy", "--cluster", "cpu-local", "--set",
+                                  "widht=3"), "no config field 'widht'", "hidden")
+    assert_user_error(autopar_cli("plan", "gpt-toy", "--cluster", "cpu-local", "--set",
+                                  "tied"), "expected FIELD=VALUE")
 
 
 def test_memory_budget_impossible(target):
@@ -208,9 +212,10 @@ def test_plan_gpt_toy_pipeline_on_two_hosts(tmp_path):
 def test_plan_gpt_toy_on_cpu_local(tmp_path):
     out = tmp_path / "toy.json"
     proc = autopar_cli("plan", "gpt-toy", "--cluster", "cpu-local", "--batch", "8",
-                       "--time-limit", "5", "-o", str(out))
+                       "--time-limit", "5", "--set", "tied=false", "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "method shard" in proc.stdout and "of 2.94 GiB" in proc.stdout
+    assert "gpt-toy (batch 8, tied=False)" in proc.stdout
     assert json.loads(out.read_text())["solver"]["cli"]["model_flops"] > 0
 
 

@@ -105,3 +105,61 @@ def test_tiny_gpt_and_moe_are_the_zoos():
     assert untied["Dense_0"]["kernel"].shape == (32, 64)
     moe = jax.eval_shape(models.make_case("moe").init)[0]["params"]
     assert moe["MoEFFN_0"]["wi"].shape == (4, 32, 64) and "gate" in moe["MoEFFN_0"]
+
+
+def test_low_precision_parameters_train_through_a_float32_master_copy():
+    """`param_dtype=float16` (Alpa's GPT benchmark): parameters in float16, AdamW on a
+    float32 master copy in the optimizer state, parameters = the master rounded.  The
+    master moves exactly as a float32 AdamW step from the float32 parameters would; under
+    autopar the step matches jax.jit's."""
+    import optax
+
+    import autopar
+
+    over = {"param_dtype": "float16"}
+    state = zoo.init_state("gpt-toy", overrides=over)
+    batch = zoo.example_batch("gpt-toy", 16)
+    step, _ = zoo.train_step_and_args("gpt-toy", 16, overrides=over)
+    leaves = jax.tree.leaves(state["params"])
+    assert leaves and all(x.dtype == np.float16 for x in leaves)
+    master = state["opt_state"].master
+    assert all(m.dtype == np.float32 for m in jax.tree.leaves(master))
+    new, metrics = jax.jit(step)(state, batch)
+    assert math.isfinite(float(metrics["loss"]))
+    for p, m in zip(jax.tree.leaves(new["params"]), jax.tree.leaves(new["opt_state"].master),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(m.astype(np.float16)))
+
+    # The master's step is AdamW's on float32 parameters with the float32 gradients.
+    model = zoo.GPT(zoo.config("gpt-toy", over))
+
+    def loss_fn(params):
+        logits = model.apply({"params": params}, batch["tokens"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+    grads = jax.grad(loss_fn)(state["params"])
+    tx = optax.adamw(1e-4)
+    f32 = jax.tree.map(lambda x: x.astype(np.float32), state["params"])
+    g32 = jax.tree.map(lambda x: x.astype(np.float32), grads)
+    upd, _ = tx.update(g32, tx.init(f32), f32)
+    want = optax.apply_updates(f32, upd)
+    for a, b in zip(jax.tree.leaves(new["opt_state"].master), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+    par = autopar.parallelize(step, method=autopar.DataParallel(), donate_argnums=())
+    got, got_metrics = par(state, batch)
+    np.testing.assert_allclose(float(got_metrics["loss"]), float(metrics["loss"]), rtol=1e-3)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(new), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=2e-3, atol=2e-3)
+
+
+def test_config_overrides_are_checked():
+    assert zoo.config("gpt-2.6b", {"tied": False, "param_dtype": "float16"}).tied is False
+    assert zoo.param_count("gpt-toy", {"tied": False}) > zoo.param_count("gpt-toy")
+    with pytest.raises(ValueError, match="no config field 'widht'; its fields: hidden"):
+        zoo.config("gpt-toy", {"widht": 3})
+    with pytest.raises(ValueError, match="field 'tied' takes a bool"):
+        zoo.config("gpt-toy", {"tied": "no"})
+    with pytest.raises(ValueError, match="param_dtype='float17' is not a dtype"):
+        zoo.config("gpt-toy", {"param_dtype": "float17"})

@@ -14,7 +14,9 @@ class GPTConfig:
     """A GPT's shape: `hidden` width, `layers` blocks, `heads` attention heads, `vocab`
     tokens, `seq` positions; `dtype` of the activations; `remat` rematerializes every block
     in the backward; `tied` reads the logits from the token embedding (else an untied
-    bias-free `nn.Dense` head)."""
+    bias-free `nn.Dense` head); `param_dtype` the parameters are stored in (below float32
+    the zoo's train step keeps a float32 master copy in the optimizer state: mixed
+    precision as Alpa's GPT benchmark trains, `TrainState(use_master_copy=True)`)."""
 
     hidden: int
     layers: int
@@ -24,6 +26,7 @@ class GPTConfig:
     dtype: str = "float16"
     remat: bool = True
     tied: bool = True
+    param_dtype: str = "float32"
 
 
 GPT_CONFIGS: dict[str, GPTConfig] = {
@@ -48,13 +51,14 @@ class _Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, mask):
-        dt = jnp.dtype(self.cfg.dtype)
-        h = nn.LayerNorm(dtype=dt)(x)
-        h = nn.MultiHeadDotProductAttention(num_heads=self.cfg.heads, dtype=dt)(h, h, mask=mask)
+        dt, pt = jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.param_dtype)
+        h = nn.LayerNorm(dtype=dt, param_dtype=pt)(x)
+        h = nn.MultiHeadDotProductAttention(num_heads=self.cfg.heads, dtype=dt,
+                                            param_dtype=pt)(h, h, mask=mask)
         x = x + h
-        h = nn.LayerNorm(dtype=dt)(x)
-        h = nn.Dense(4 * self.cfg.hidden, dtype=dt)(h)
-        h = nn.Dense(self.cfg.hidden, dtype=dt)(nn.gelu(h))
+        h = nn.LayerNorm(dtype=dt, param_dtype=pt)(x)
+        h = nn.Dense(4 * self.cfg.hidden, dtype=dt, param_dtype=pt)(h)
+        h = nn.Dense(self.cfg.hidden, dtype=dt, param_dtype=pt)(nn.gelu(h))
         return x + h
 
 
@@ -69,16 +73,16 @@ class GPT(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         cfg = self.cfg
-        dt = jnp.dtype(cfg.dtype)
-        embed = nn.Embed(cfg.vocab, cfg.hidden, dtype=dt)
-        pos = self.param("pos", nn.initializers.normal(0.02), (cfg.seq, cfg.hidden))
+        dt, pt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        embed = nn.Embed(cfg.vocab, cfg.hidden, dtype=dt, param_dtype=pt)
+        pos = self.param("pos", nn.initializers.normal(0.02), (cfg.seq, cfg.hidden), pt)
         x = embed(tokens) + pos[: tokens.shape[1]].astype(dt)
         mask = nn.make_causal_mask(tokens)
         for i in range(cfg.layers):
             x = self.block(i)(x, mask)
-        x = nn.LayerNorm(dtype=dt)(x)
+        x = nn.LayerNorm(dtype=dt, param_dtype=pt)(x)
         logits = embed.attend(x) if cfg.tied else nn.Dense(cfg.vocab, use_bias=False,
-                                                           dtype=dt)(x)
+                                                           dtype=dt, param_dtype=pt)(x)
         return logits.astype(jnp.float32)
 
     def block(self, i: int) -> nn.Module:

@@ -5,9 +5,11 @@ concrete state and batches for the toy sizes (real runs on CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,11 +24,38 @@ ModelConfig = GPTConfig | MoEConfig | WRNConfig
 CONFIGS: dict[str, ModelConfig] = {**GPT_CONFIGS, **MOE_CONFIGS, **WRN_CONFIGS}
 
 
-def config(name: str) -> ModelConfig:
-    """The config of zoo model `name`; ValueError listing the known names otherwise."""
+Overrides = Mapping[str, Any] | None
+
+
+def config(name: str, overrides: Overrides = None) -> ModelConfig:
+    """The config of zoo model `name`, with the fields in `overrides` replaced (e.g.
+    {"param_dtype": "float16", "tied": False}); ValueError listing the known names or
+    fields otherwise."""
     if name not in CONFIGS:
         raise ValueError(f"unknown model {name!r}; known: {sorted(CONFIGS)}")
-    return CONFIGS[name]
+    cfg = CONFIGS[name]
+    if not overrides:
+        return cfg
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    for key, value in overrides.items():
+        if key not in fields:
+            raise ValueError(f"model {name!r} has no config field {key!r}; its fields: "
+                             f"{', '.join(fields)}")
+        have = getattr(cfg, key)
+        if type(value) is not type(have) and not (isinstance(have, float)
+                                                  and isinstance(value, int)):
+            raise ValueError(f"model {name!r}: field {key!r} takes a "
+                             f"{type(have).__name__} (default {have!r}), got {value!r}")
+    out = dataclasses.replace(cfg, **overrides)
+    for key in ("dtype", "param_dtype"):
+        if not hasattr(out, key):
+            continue
+        try:
+            jnp.dtype(getattr(out, key))
+        except TypeError:
+            raise ValueError(f"model {name!r}: {key}={getattr(out, key)!r} is not a dtype "
+                             f"name (float32, float16, bfloat16)") from None
+    return out
 
 
 def _order(name: str) -> tuple[str, float]:
@@ -49,17 +78,17 @@ def default_batch(name: str) -> int:
     return 1536 if isinstance(cfg, WRNConfig) else 1024
 
 
-def flops_per_step(name: str, batch: int) -> float:
+def flops_per_step(name: str, batch: int, overrides: Overrides = None) -> float:
     """Model FLOPs of one training step of zoo model `name` at global batch `batch`."""
-    cfg = config(name)
+    cfg = config(name, overrides)
     rule = {GPTConfig: gpt_flops_per_step, MoEConfig: moe_flops_per_step,
             WRNConfig: wrn_flops_per_step}[type(cfg)]
     return rule(cfg, batch)
 
 
-def param_count(name: str) -> int:
+def param_count(name: str, overrides: Overrides = None) -> int:
     """Number of parameters (from abstract initialization)."""
-    state = _abstract_state(name)
+    state = _abstract_state(name, overrides)
     return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(state["params"]))
 
 
@@ -71,8 +100,8 @@ def _example_input(cfg: ModelConfig, batch: int) -> dict[str, jax.ShapeDtypeStru
     return {"tokens": tokens, "labels": tokens}
 
 
-def _init(name: str, seed: int) -> dict:
-    cfg = config(name)
+def _init(name: str, seed: int, overrides: Overrides = None) -> dict:
+    cfg = config(name, overrides)
     _, model, tx = make_train_step(cfg)
     key = "images" if isinstance(cfg, WRNConfig) else "tokens"
     x = _example_input(cfg, 1)[key]
@@ -83,26 +112,28 @@ def _init(name: str, seed: int) -> dict:
     return state
 
 
-def _abstract_state(name: str) -> dict:
-    return jax.eval_shape(lambda: _init(name, 0))
+def _abstract_state(name: str, overrides: Overrides = None) -> dict:
+    return jax.eval_shape(lambda: _init(name, 0, overrides))
 
 
-def train_step_and_args(name: str, batch: int, value_and_grad: Callable | None = None
-                        ) -> tuple[Callable, tuple[dict, dict]]:
+def train_step_and_args(name: str, batch: int, value_and_grad: Callable | None = None,
+                        overrides: Overrides = None) -> tuple[Callable, tuple[dict, dict]]:
     """(train_step, (abstract_state, abstract_batch)) for a zoo model at global batch size;
-    `value_and_grad` replaces `autopar.value_and_grad` in the step (e.g. a reference)."""
-    step = make_train_step(config(name), value_and_grad)[0]
-    return step, (_abstract_state(name), _example_input(config(name), batch))
+    `value_and_grad` replaces `autopar.value_and_grad` in the step (e.g. a reference);
+    `overrides` replaces config fields (`config`)."""
+    cfg = config(name, overrides)
+    step = make_train_step(cfg, value_and_grad)[0]
+    return step, (_abstract_state(name, overrides), _example_input(cfg, batch))
 
 
-def init_state(name: str, seed: int = 0) -> dict:
+def init_state(name: str, seed: int = 0, overrides: Overrides = None) -> dict:
     """Concrete initial state (for toy sizes: real runs on CPU)."""
-    return _init(name, seed)
+    return _init(name, seed, overrides)
 
 
-def example_batch(name: str, batch: int, seed: int = 1) -> dict:
+def example_batch(name: str, batch: int, seed: int = 1, overrides: Overrides = None) -> dict:
     """A concrete random batch (for toy sizes)."""
-    cfg = config(name)
+    cfg = config(name, overrides)
     k1, k2 = jax.random.split(jax.random.key(seed))
     if isinstance(cfg, WRNConfig):
         return {"images": jax.random.normal(k1, (batch, cfg.image, cfg.image, 3)),

@@ -5,8 +5,11 @@ optimizer (AdamW, lr 1e-4, unless given)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import optax
 
 import autopar
@@ -17,15 +20,51 @@ from autopar.models.wrn import WideResNet, WRNConfig
 TrainStep = tuple[Callable, nn.Module, optax.GradientTransformation]
 
 
+class MasterCopyState(NamedTuple):
+    """`master_copy`'s state: the float32 master parameters and the inner optimizer's
+    state over them."""
+
+    master: optax.Params
+    inner: optax.OptState
+
+
+def master_copy(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Mixed-precision training of low-precision parameters: `tx` runs on a float32 master
+    copy kept in the optimizer state, and the update takes the parameters to the master
+    rounded to their dtype (Alpa's `TrainState(use_master_copy=True)`; Micikevicius et al.,
+    ICLR'18).  The updates are float32 differences, so `optax.apply_updates` lands on the
+    rounded master exactly."""
+    f32 = lambda tree: jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), tree)
+
+    def init(params):
+        master = f32(params)
+        return MasterCopyState(master, tx.init(master))
+
+    def update(grads, state, params=None):
+        if params is None:
+            raise ValueError("master_copy's update needs the parameters")
+        updates, inner = tx.update(f32(grads), state.inner, state.master)
+        master = optax.apply_updates(state.master, updates)
+        steps = jax.tree_util.tree_map(
+            lambda m, p: m.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32),
+            master, params)
+        return steps, MasterCopyState(master, inner)
+
+    return optax.GradientTransformation(init, update)
+
+
 def gpt_train_step(cfg: GPTConfig | MoEConfig, value_and_grad: Callable | None = None,
                    tx: optax.GradientTransformation | None = None) -> TrainStep:
     """(train_step, model, tx) of a token model (GPT or MoE): next-token cross-entropy.
     State {"params", "opt_state"}; batch {"tokens", "labels"} int32 [batch, seq].
     `value_and_grad` defaults to `autopar.value_and_grad` (a reference may swap it), `tx`
-    to AdamW (lr 1e-4)."""
+    to AdamW (lr 1e-4); parameters below float32 (`GPTConfig.param_dtype`) train through
+    `master_copy(tx)`."""
     grad_fn = value_and_grad or autopar.value_and_grad
     model = GPT(cfg) if isinstance(cfg, GPTConfig) else MoE(cfg)
     tx = tx if tx is not None else optax.adamw(1e-4)
+    if jnp.dtype(getattr(cfg, "param_dtype", "float32")).itemsize < 4:
+        tx = master_copy(tx)
 
     def loss_fn(params, batch):
         logits = model.apply({"params": params}, batch["tokens"])
