@@ -17,12 +17,13 @@ gradients accumulate over micro-batches and are reduced once per step, as in Meg
 DeepSpeed and Alpa; the ILP's `comm_scale`); u_s: the optimizer update (memory-bound
 roofline over the state the device holds), plus for ZeRO-2 the all-gather of the updated parameters.
 
-Memory per device of stage s (1F1B keeps pp − s micro-batches of activations in flight):
+Memory per device of stage s (1F1B keeps pp − s micro-batches of activations in flight) is
+the planner's (`pipeline_planner.stage_memory_bytes`):
 
-    fb peak of one micro-batch + (in-flight − 1)·residuals + optimizer state
+    parameters + gradient accumulators + in-flight · residuals + one layer's transient
+    + optimizer state
 
-(the fb program's gradient outputs double as the accumulator: gradients are added in place,
-as Megatron-LM's main_grad does)
+(gradients are added in place into the accumulators, as Megatron-LM's main_grad does)
 with residuals the bytes per device the forward keeps for the backward (at the layouts the
 search chose, `_Priced.residual_bytes`), and the optimizer state
 (`state_bytes_per_param_byte` x parameter bytes) split like the parameters, and for ZeRO-2/3
@@ -44,6 +45,7 @@ from autopar.pipeline_planner import (
     LAYER_TIME_LIMIT_S,
     _Priced,
     price_stage,
+    stage_memory_bytes,
     transfer_s,
     update_time_s,
 )
@@ -273,21 +275,25 @@ class Pricer:
     def _stage(self, w: Workload, layout: Layout, layers: tuple[int, int],
                mesh_shape: tuple[int, ...], in_flight: int) -> StageCost:
         mesh = None
-        per_micro = fb_peak = residuals = 0.0
+        per_micro = 0.0
+        priced, programs = [], []
         param_dev: dict[int, float] = {}
         for layer in range(layers[0], layers[1] + 1):
             p = self.layer(w, layer, mesh_shape, layout.params)
             mesh = p.mesh
             per_micro += p.cost_s
-            fb_peak += p.memory_bytes
-            residuals += p.residual_bytes
+            priced.append(p)
+            programs.append(w.layers[layer])
             for vid, spec in zip(w.layers[layer].inputs, p.input_specs):
                 if vid in w.param_ids:
                     param_dev.setdefault(vid, w.value_bytes(vid) / mesh.shards(spec))
         params = sum(param_dev.values())
         dp = mesh_shape[0] if layout.zero_state and layout.params != "zero3" else 1
         state = w.state_bytes_per_param_byte * params / dp
-        memory = fb_peak + (min(in_flight, layout.micro) - 1) * residuals + state
+        # The planner's count (parameters, gradients, in-flight residuals, one layer's
+        # transient), with this layout's optimizer state.
+        memory = stage_memory_bytes(priced, programs, set(w.param_ids), w.graph,
+                                    layout.micro, in_flight, 0.0) + state
         update = update_time_s(params / dp, w.state_bytes_per_param_byte, self.cluster)
         if layout.zero_gather and dp > 1:
             update += mesh.all_gather_s(params, ("x",))

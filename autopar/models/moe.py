@@ -19,7 +19,7 @@ from autopar.models.gpt import GPT
 class MoEConfig:
     """An MoE decoder's shape: `hidden` width, `layers` blocks (odd ones MoE), `experts` per
     MoE FFN, `heads`, `vocab`, `seq`; tokens are routed in groups of `group`; the FFNs are
-    `ffn` x hidden wide; `dtype`, `remat` and `tied` as in `GPTConfig`."""
+    `ffn` x hidden wide; `dtype`, `remat`, `tied` and `param_dtype` as in `GPTConfig`."""
 
     hidden: int
     layers: int
@@ -32,6 +32,7 @@ class MoEConfig:
     dtype: str = "float16"
     remat: bool = True
     tied: bool = True
+    param_dtype: str = "float32"
 
 
 MOE_CONFIGS: dict[str, MoEConfig] = {
@@ -66,7 +67,9 @@ class MoEFFN(nn.Module):
         g, e = b * s // group, cfg.experts
         cap = max(1, 2 * group // e)
         xg = x.reshape(g, group, m)
-        probs = jax.nn.softmax(nn.Dense(e, use_bias=False, dtype=jnp.float32, name="gate")(
+        pt = jnp.dtype(cfg.param_dtype)
+        probs = jax.nn.softmax(nn.Dense(e, use_bias=False, dtype=jnp.float32, param_dtype=pt,
+                                        name="gate")(
             xg.astype(jnp.float32)), axis=-1)  # [G, S, E]
         top_p, top_i = jax.lax.top_k(probs, 2)  # [G, S, 2]
         masks = jax.nn.one_hot(top_i, e, dtype=jnp.float32)  # [G, S, 2, E]
@@ -81,8 +84,8 @@ class MoEFFN(nn.Module):
             dispatch = dispatch + d
             combine = combine + d * top_p[:, :, k, None, None]
         init = nn.initializers.lecun_normal(batch_axis=(0,))
-        wi = self.param("wi", init, (e, m, cfg.ffn * m))
-        wo = self.param("wo", init, (e, cfg.ffn * m, m))
+        wi = self.param("wi", init, (e, m, cfg.ffn * m), pt)
+        wo = self.param("wo", init, (e, cfg.ffn * m, m), pt)
         xe = jnp.einsum("gsec,gsm->egcm", dispatch.astype(dt), xg.astype(dt))
         h = nn.gelu(jnp.einsum("egcm,emh->egch", xe, wi.astype(dt)))
         ye = jnp.einsum("egch,ehm->egcm", h, wo.astype(dt))
@@ -96,15 +99,15 @@ class _MoEBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x, mask):
-        dt = jnp.dtype(self.cfg.dtype)
-        h = nn.LayerNorm(dtype=dt)(x)
-        x = x + nn.MultiHeadDotProductAttention(num_heads=self.cfg.heads, dtype=dt)(
-            h, h, mask=mask)
-        h = nn.LayerNorm(dtype=dt)(x)
+        dt, pt = jnp.dtype(self.cfg.dtype), jnp.dtype(self.cfg.param_dtype)
+        h = nn.LayerNorm(dtype=dt, param_dtype=pt)(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.cfg.heads, dtype=dt,
+                                                param_dtype=pt)(h, h, mask=mask)
+        h = nn.LayerNorm(dtype=dt, param_dtype=pt)(x)
         if self.expert:
             return x + MoEFFN(self.cfg)(h)
-        h = nn.Dense(self.cfg.ffn * self.cfg.hidden, dtype=dt)(h)
-        return x + nn.Dense(self.cfg.hidden, dtype=dt)(nn.gelu(h))
+        h = nn.Dense(self.cfg.ffn * self.cfg.hidden, dtype=dt, param_dtype=pt)(h)
+        return x + nn.Dense(self.cfg.hidden, dtype=dt, param_dtype=pt)(nn.gelu(h))
 
 
 class MoE(GPT):

@@ -63,7 +63,7 @@ def gpt_train_step(cfg: GPTConfig | MoEConfig, value_and_grad: Callable | None =
     grad_fn = value_and_grad or autopar.value_and_grad
     model = GPT(cfg) if isinstance(cfg, GPTConfig) else MoE(cfg)
     tx = tx if tx is not None else optax.adamw(1e-4)
-    if jnp.dtype(getattr(cfg, "param_dtype", "float32")).itemsize < 4:
+    if jnp.dtype(cfg.param_dtype).itemsize < 4:
         tx = master_copy(tx)
 
     def loss_fn(params, batch):
