@@ -30,7 +30,13 @@ from autopar.cost_model.collectives import send_recv_s
 from autopar.cost_model.compute import compute_time_s
 from autopar.graph import Graph
 from autopar.passes import inter_op, intra_op, layering
-from autopar.passes.sharding_spec import MeshContext, Spec, reshard_s, state_split
+from autopar.passes.sharding_spec import (
+    MeshContext,
+    Spec,
+    enumerate_specs,
+    reshard_s,
+    state_split,
+)
 
 from . import pipeline
 from .layer import LayerProgram, differentiable_values
@@ -105,7 +111,8 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
                       remat: bool = False, num_micro_batches: int = 1,
                       layer: LayerProgram | None = None,
                       submit: intra_op.Submit | None = None,
-                      update: StateSplit | None = None
+                      update: StateSplit | None = None,
+                      lean: bool = False
                       ) -> Callable[[], dict[tuple[int, ...], _Priced]]:
     """Intra-op plans of one layer range's forward+backward on a sub-mesh, one per logical
     mesh shape (`shapes`, default: 1-D and every 2-D factorization).
@@ -122,6 +129,10 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
     at that spec, or on its state split plus the all-gather back (`StateSplit.cost_s`). A
     parameter kept replicated for free slicing is updated whole on every device, or
     gathered whole after a split update; one split as its readers read it is neither.
+
+    With `lean`, every parameter must be cut into as many shards as its shape allows on
+    the mesh (`LEAN_PENALTY_S` on any other layout): the memory-lean end of the layer's
+    time/memory trade-off, which a stage takes when its time-optimal layouts do not fit.
 
     `layer` is `LayerProgram.build(graph, program, diff, remat=remat)` when the caller
     already has it (one trace serves every sub-mesh).  The problems are built now and
@@ -143,12 +154,12 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
     # their layout (unreduced: a data-parallel layout adds whole gradients on every device).
     traffic = {vid: ACCUMULATE_TRAFFIC for vid in grad_outs}
     param_inputs = [(fb.invars[k], graph.values[vid]) for k, vid in enumerate(f_ids)
-                    if vid in params] if update is not None else []
+                    if vid in params] if update is not None or lean else []
     pending = []
     for shape in shapes or logical_shapes(submesh):
         mesh = MeshContext.build(shape, sub)
-        updates = {fv: _update_cost(update, value.shape, value.nbytes, mesh,
-                                    num_micro_batches) for fv, value in param_inputs}
+        updates = {fv: _param_cost(update, lean, value.shape, value.nbytes, mesh,
+                                   num_micro_batches) for fv, value in param_inputs}
         forced = {}
         if input_rule is not None:
             for pos, vid in enumerate(fb.invars[:len(position)]):
@@ -229,10 +240,24 @@ def updates_s(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgra
                if vid in params) / num_micro_batches
 
 
-def _update_cost(update: StateSplit, shape: tuple[int, ...], nbytes: float,
-                 mesh: MeshContext, num_micro_batches: int) -> Callable[[Spec], float]:
+# Seconds added to a parameter layout that is not cut as finely as it can be, in a lean
+# layer solve (`start_price_stage(lean=True)`): larger than any layer's time.
+LEAN_PENALTY_S = 1e4
+
+
+def _param_cost(update: StateSplit | None, lean: bool, shape: tuple[int, ...], nbytes: float,
+                mesh: MeshContext, num_micro_batches: int) -> Callable[[Spec], float]:
+    """A parameter input's extra seconds per spec: its update amortized over the
+    micro-batches (`update`), and with `lean` the penalty on a spec with fewer shards than
+    the finest even split of `shape` on `mesh`."""
+    finest = max(mesh.shards(s) for s in enumerate_specs(shape, mesh)) if lean else 0
+
     def cost(spec: Spec) -> float:
-        return update.cost_s(spec, shape, nbytes, mesh) / num_micro_batches
+        seconds = 0.0 if update is None else (
+            update.cost_s(spec, shape, nbytes, mesh) / num_micro_batches)
+        if lean and mesh.shards(spec) < finest:
+            seconds += LEAN_PENALTY_S
+        return seconds
     return cost
 
 
@@ -355,7 +380,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     splits = {m: StateSplit(m, state_bytes_per_param_byte, cluster) for m in modes}
     layer_kw = dict(kw, time_limit_s=min(method.time_limit_s, LAYER_TIME_LIMIT_S),
                     update=splits[modes[0]])
-    layer_cache: dict[tuple[str, tuple[int, int]], dict[tuple[int, ...], _Priced]] = {}
+    layer_cache: dict[tuple[str, tuple[int, int], bool], dict[tuple[int, ...], _Priced]] = {}
     layer_seen: set[tuple[int, tuple[int, int]]] = set()
     layer_pairs = lay.num_layers * len(
         set(layout.submesh_shapes) if layout.submesh_shapes is not None
@@ -366,21 +391,25 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     # Identical layers share one trace of their forward+backward (that of the first).
     traced_layers: dict[str, tuple[pipeline.StageProgram, LayerProgram]] = {}
 
-    started: dict[tuple[str, tuple[int, int]], Callable[[], dict]] = {}
+    started: dict[tuple[str, tuple[int, int], bool], Callable[[], dict]] = {}
     pool = SolvePool()
 
-    def start_layer(layer: int, submesh: tuple[int, int]) -> tuple[str, tuple[int, int]]:
+    def start_layer(layer: int, submesh: tuple[int, int], lean: bool = False
+                    ) -> tuple[str, tuple[int, int], bool]:
         """Builds the layer's ILPs on `submesh` and hands them to the pool (once per
-        distinct layer program and sub-mesh); returns the cache key."""
+        distinct layer program, sub-mesh and `lean`); returns the cache key."""
         if layer not in program_keys:
             program_keys[layer] = _program_key(graph, layer_programs[layer], diff)
         pkey = program_keys[layer]
-        key = (pkey, submesh)
-        layer_seen.add((layer, submesh))
+        key = (pkey, submesh, lean)
+        if not lean:
+            layer_seen.add((layer, submesh))
         if key not in layer_cache and key not in started:
             if progress:
                 progress(f"layer ILP {len(layer_seen)}/{layer_pairs}: layer {layer} on "
-                         f"sub-mesh {submesh}")
+                         f"sub-mesh {submesh}" if not lean else
+                         f"lean layer ILP: layer {layer} on sub-mesh {submesh} (parameters "
+                         f"split as finely as they go: the time-optimal stages do not fit)")
             if pkey not in traced_layers:
                 prog = layer_programs[layer]
                 traced_layers[pkey] = (prog, LayerProgram.build(graph, prog, diff,
@@ -390,14 +419,18 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                 graph, prog, diff, cluster, submesh, forced_batch_axis=layout.batch_axis,
                 shapes=fixed_shape, remat=split.remat,
                 num_micro_batches=method.num_micro_batches, layer=traced,
-                submit=pool.submit, **layer_kw)
+                submit=pool.submit, lean=lean, **layer_kw)
         return key
 
-    def layer_options(layer: int, submesh: tuple[int, int]) -> dict[tuple[int, ...], _Priced]:
-        key = start_layer(layer, submesh)
+    def layer_options(layer: int, submesh: tuple[int, int], lean: bool = False
+                      ) -> dict[tuple[int, ...], _Priced]:
+        key = start_layer(layer, submesh, lean)
         if key not in layer_cache:
-            layer_cache[key] = started.pop(key)()
-            if progress:
+            # A lean solve that cannot cut every parameter finely carries the penalty:
+            # that logical shape has no lean option.
+            layer_cache[key] = {shape: p for shape, p in started.pop(key)().items()
+                                if p.cost_s < LEAN_PENALTY_S}
+            if progress and layer_cache[key]:
                 best = min(layer_cache[key].values(), key=lambda p: p.cost_s)
                 progress(f"layer ILP {len(layer_cache)} solved: layer {layer} on sub-mesh "
                          f"{submesh}, best {best.cost_s * 1e3:.3f} ms/mb on {best.mesh.shape}")
@@ -406,13 +439,17 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     micro = method.num_micro_batches
     link = cluster.inter_host if hosts > 1 else cluster.intra_host
 
-    def stage_options(i: int, j: int, submesh: tuple[int, int]) -> list[_StageEstimate]:
+    def stage_options(i: int, j: int, submesh: tuple[int, int], lean: bool = False
+                      ) -> list[_StageEstimate]:
         """Layers i..j on `submesh`, one estimate per logical shape (all layers of a stage
-        share its mesh)."""
+        share its mesh): their time-optimal solutions, or with `lean` their memory-lean
+        ones (parameters split as finely as they go)."""
         progs = [layer_programs[k] for k in range(i, j + 1)]
-        options = [layer_options(k, submesh) for k in range(i, j + 1)]
+        options = [layer_options(k, submesh, lean) for k in range(i, j + 1)]
         out = []
         for shape in options[0]:
+            if any(shape not in o for o in options):
+                continue
             priced = [o[shape] for o in options]
             layers_s = sum(p.cost_s for p in priced) + internal_reshard_s(priced, progs, graph)
             # The layer ILPs priced the updates under the first mode (splitting where it
@@ -444,7 +481,9 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         # stages of this size would fill the devices, and its inputs arriving over the
         # slowest link of the cluster.
         size = submesh[0] * submesh[1]
-        best = fitting(stage_options(i, j, submesh), max(1, n // size))
+        in_flight = max(1, n // size)
+        best = (fitting(stage_options(i, j, submesh), in_flight)
+                or fitting(stage_options(i, j, submesh, lean=True), in_flight))
         if best is None:
             return None
         if (i, j) not in received:
@@ -494,7 +533,9 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         # inputs take the specs of the layer reading them first.
         in_flight = len(choice) - len(stages)
         options = stage_options(layers[0], layers[1], submesh)
-        best = fitting(options, in_flight) or min(options, key=lambda o: o.cost_s)
+        best = (fitting(options, in_flight)
+                or fitting(stage_options(layers[0], layers[1], submesh, lean=True), in_flight)
+                or min(options, key=lambda o: o.cost_s))
         start, stop = ranges[layers[0]][0], ranges[layers[1]][1]
         prog = pipeline.program_for_range(graph, start, stop)
         wanted = set(prog.inputs)

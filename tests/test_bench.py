@@ -109,6 +109,33 @@ def test_stage_remat_keeps_only_stage_inputs(toy_pricer):
     assert 0 < p.residual_bytes <= kept
 
 
+def test_lean_layer_solve_cuts_every_parameter_as_finely_as_it_goes(toy_pricer):
+    """The memory-lean end of a layer's trade-off (`start_price_stage(lean=True)`, taken
+    by a stage whose time-optimal layouts do not fit): every parameter input is cut into
+    as many shards as its shape allows on the mesh, at a finite time no lower than the
+    time-optimal solve's, holding no more parameter bytes."""
+    from autopar.passes.sharding_spec import enumerate_specs
+    from autopar.pipeline_planner import LEAN_PENALTY_S, price_stage
+
+    w = toy_pricer.workload(2)
+    kw = dict(solver="auto", time_limit_s=10, batch_size=w.micro_batch, shapes=[(2, 2)],
+              remat=w.split.remat, num_micro_batches=2)
+    args = (w.graph, w.layers[1], w.diff, toy_pricer.cluster, (1, 4))
+    fast = price_stage(*args, **kw)[(2, 2)]
+    lean = price_stage(*args, lean=True, **kw)[(2, 2)]
+    assert fast.cost_s <= lean.cost_s < LEAN_PENALTY_S
+    held = {"fast": 0.0, "lean": 0.0}
+    for vid, f_spec, l_spec in zip(w.layers[1].inputs, fast.input_specs, lean.input_specs):
+        if vid not in w.param_ids:
+            continue
+        shape = w.graph.values[vid].shape
+        finest = max(lean.mesh.shards(s) for s in enumerate_specs(shape, lean.mesh))
+        assert lean.mesh.shards(l_spec) == finest, (shape, l_spec)
+        held["fast"] += w.value_bytes(vid) / fast.mesh.shards(f_spec)
+        held["lean"] += w.value_bytes(vid) / lean.mesh.shards(l_spec)
+    assert held["lean"] < held["fast"], held
+
+
 def test_best_fitting_takes_the_fastest_layout_that_fits(toy_pricer):
     cands = [layouts.Layout("3d", dp, tp, pp, b, "tensor")
              for dp, tp, pp in [(4, 1, 1), (2, 2, 1), (1, 2, 2)] for b in (2, 4)]
