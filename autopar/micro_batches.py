@@ -79,7 +79,8 @@ EXHAUSTIVE_MAX = 6
 def explore(counts: Sequence[int], evaluate: Callable[[int], float | None],
             start: int | None = None) -> int | None:
     """Index into `counts` of the fastest count found: every count of a ladder of at most
-    `EXHAUSTIVE_MAX`, else hill climbing from `start` (default: the middle);
+    `EXHAUSTIVE_MAX`, else steepest-descent hill climbing from `start` (default: the
+    middle; both neighbours of each count are priced);
     `evaluate(count)` gives predicted seconds or None (no layout fits: every smaller count
     is then skipped).  Each count is evaluated at most once."""
     if not counts:
@@ -105,17 +106,20 @@ def explore(counts: Sequence[int], evaluate: Callable[[int], float | None],
         return None
     floor = max((j for j, v in seen.items() if v is None), default=-1)
     while True:
-        moved = False
+        # Both neighbours, then the better: a count whose stages only fit memory-lean
+        # (parameters cut finely, gathered every micro-batch) can beat its neighbour on one
+        # side and be far slower than the other.
+        best_j, best_v = k, value(k)
         for j in (k - 1, k + 1):
             if floor < j < len(counts):
                 vj = value(j)
                 if vj is None:
                     floor = max(floor, j)
-                elif vj < value(k):
-                    k, moved = j, True
-                    break
-        if not moved:
+                elif vj < best_v:
+                    best_j, best_v = j, vj
+        if best_j == k:
             return k
+        k = best_j
 
 
 def search(step: ParallelizedFunction, dynamic: list, static: tuple, positions: list[int],

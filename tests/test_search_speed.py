@@ -145,6 +145,14 @@ def test_ladder_and_explore():
                                                                       if b > 2 else 0.1))
     assert short[best] == 8 and order == [8, 4, 2]  # 1 skipped: 2 did not fit
 
+    # GPT-15B on 32 V100s (suite, 2026-11-24): from 32, fewer micro-batches only fit with
+    # memory-lean stages (4,686 s at 16, 5,422 s at 32) while 256 runs in ~100 s.  Taking
+    # the first better neighbour went to 16 and stopped; both neighbours are priced now.
+    def lean_trap(b):
+        return None if b < 16 else {16: 4686.0, 32: 5422.0}.get(b, 100.0 + abs(b - 256) / 8)
+
+    assert counts[micro_batches.explore(counts, lean_trap, start=5)] == 256
+
 
 def test_auto_is_no_slower_than_the_suites_two_counts(tmp_path, monkeypatch):
     monkeypatch.setenv(plan_cache.ENV_VAR, str(tmp_path))  # explicit counts reuse the tries
