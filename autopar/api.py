@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from autopar.cost_model import ClusterSpec
+from autopar.cost_model import ClusterSpec, hlo_audit
 from autopar.cost_model.units import format_bytes
 from autopar.graph import Graph
 
@@ -344,7 +344,7 @@ class ParallelizedFunction:
         budget = float(self.method.memory_budget_bytes)
         cap, peaks = budget, []
         for _ in range(_BUDGET_ROUNDS):
-            peak = compiled_peak_bytes(out.lower().compile())
+            peak = float(hlo_audit.MemoryUsage.of(out.lower().compile()).total_bytes)
             peaks.append(peak)
             if peak <= budget:
                 record = {"budget_bytes": budget, "compiled_bytes": peaks, "cap_bytes": cap}
@@ -457,15 +457,6 @@ def _verify(plan: Plan, program: planner.Program, split: pipeline.SplitStep | No
 # below the budget on each (the memory model's error is not the same on every layout).
 _BUDGET_ROUNDS = 4
 _BUDGET_MARGIN = 0.99
-
-
-def compiled_peak_bytes(compiled) -> float:
-    """Peak bytes per device of a compiled program, as `memory_budget_bytes` counts them:
-    argument + output − alias + temp (`memory_analysis()`; JAX-NOTES: its peak_memory
-    field omits the temporaries)."""
-    m = compiled.memory_analysis()
-    return float(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                 + m.temp_size_in_bytes)
 
 
 def _state_per_param_byte(program: planner.Program) -> float:

@@ -476,14 +476,19 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             state_bytes_per_param_byte, o.zero) <= budget]
         return min(ok, key=lambda o: o.cost_s) if ok else None
 
+    def fitting_stage(i: int, j: int, submesh: tuple[int, int], in_flight: int
+                      ) -> _StageEstimate | None:
+        """The fastest time-optimal option of layers i..j that fits, else the fastest
+        memory-lean one."""
+        return (fitting(stage_options(i, j, submesh), in_flight)
+                or fitting(stage_options(i, j, submesh, lean=True), in_flight))
+
     def range_cost(i: int, j: int, submesh: tuple[int, int]) -> float | None:
         # The stage's position is not known here: assume as many stages in flight as
         # stages of this size would fill the devices, and its inputs arriving over the
         # slowest link of the cluster.
         size = submesh[0] * submesh[1]
-        in_flight = max(1, n // size)
-        best = (fitting(stage_options(i, j, submesh), in_flight)
-                or fitting(stage_options(i, j, submesh, lean=True), in_flight))
+        best = fitting_stage(i, j, submesh, max(1, n // size))
         if best is None:
             return None
         if (i, j) not in received:
@@ -532,10 +537,8 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         # A stage is its layers' solutions on the cheapest logical mesh that fits; the stage
         # inputs take the specs of the layer reading them first.
         in_flight = len(choice) - len(stages)
-        options = stage_options(layers[0], layers[1], submesh)
-        best = (fitting(options, in_flight)
-                or fitting(stage_options(layers[0], layers[1], submesh, lean=True), in_flight)
-                or min(options, key=lambda o: o.cost_s))
+        best = fitting_stage(*layers, submesh, in_flight) or min(
+            stage_options(*layers, submesh), key=lambda o: o.cost_s)
         start, stop = ranges[layers[0]][0], ranges[layers[1]][1]
         prog = pipeline.program_for_range(graph, start, stop)
         wanted = set(prog.inputs)

@@ -413,9 +413,7 @@ class PipelineCompiled:
         in_flight = sched.max_in_flight()
         out = []
         for c in self.stages:
-            bwd = (c.step or c.backward).memory_analysis()
-            peak = (bwd.argument_size_in_bytes + bwd.output_size_in_bytes
-                    - bwd.alias_size_in_bytes + bwd.temp_size_in_bytes)
+            peak = hlo_audit.MemoryUsage.of(c.step or c.backward).total_bytes
             # A one-program step holds its micro-batch's residuals in its temporaries.
             fwd_out = 0 if c.step is not None else c.forward.memory_analysis().output_size_in_bytes
             extra_state = 0

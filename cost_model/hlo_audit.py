@@ -135,6 +135,13 @@ class MemoryUsage:
         """argument + output − alias + temp (``peak_memory_in_bytes`` omits temp buffers)."""
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
+    @classmethod
+    def of(cls, compiled) -> MemoryUsage:
+        """The terms of ``compiled.memory_analysis()``."""
+        m = compiled.memory_analysis()
+        return cls(int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
+                   int(m.alias_size_in_bytes), int(m.temp_size_in_bytes))
+
 
 @dataclasses.dataclass(frozen=True)
 class Audit:
@@ -254,14 +261,10 @@ def audit(compiled: Any, mesh_shape: Sequence[int], mesh_axes: Sequence[str],
       ValueError: mismatched mesh shape / names / device ids, or HLO this parser cannot read.
     """
     flops, bytes_accessed = _cost(compiled)
-    memory = None
     try:
-        m = compiled.memory_analysis()
+        memory = MemoryUsage.of(compiled)
     except Exception:  # noqa: BLE001 - backends without memory stats raise various errors
-        m = None
-    if m is not None:
-        memory = MemoryUsage(int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
-                             int(m.alias_size_in_bytes), int(m.temp_size_in_bytes))
+        memory = None
     base = audit_text(compiled.as_text(), mesh_shape, mesh_axes, device_ids)
     remats = None if compile_log is None else compile_log.involuntary_rematerializations
     return dataclasses.replace(base, flops=flops, bytes_accessed=bytes_accessed, memory=memory,

@@ -68,9 +68,9 @@ def collectives(compiled, plan) -> list[tuple[str, int]]:
 
 def per_device_bytes(compiled) -> int:
     """argument + output − alias + temp (JAX-NOTES: peak_memory omits temp buffers)."""
-    m = compiled.memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-            + m.temp_size_in_bytes)
+    from autopar.cost_model import hlo_audit
+
+    return hlo_audit.MemoryUsage.of(compiled).total_bytes
 
 
 def assert_same_micro_batched_run(case, parallel_step, num: int, **tol):
