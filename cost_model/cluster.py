@@ -106,8 +106,10 @@ class ClusterSpec:
       num_hosts: hosts (processes), >= 1.
       devices_per_host: devices on each host, >= 1.
       device_kind: e.g. ``"A100-80GB"`` or ``"cpu"``.
-      peak_flops: dense peak FLOP/s per device, keyed by dtype name; must hold ``"float32"``,
-        the fallback for dtypes without a figure. Stored read-only (any mapping accepted).
+      peak_flops: FLOP/s per device that matmuls sustain, keyed by dtype name; must hold
+        ``"float32"``, the fallback for dtypes without a figure. GPU presets: the datasheet's
+        dense peak times the kind's calibrated ``achieved_fraction`` (devices.py); profiled
+        clusters: measured. Stored read-only (any mapping accepted).
       memory_bytes: device memory per device, bytes.
       memory_bandwidth_bytes_per_s: device memory bandwidth per device, bytes/s.
       intra_host: link between devices of one host.
@@ -453,7 +455,7 @@ def _gpu_cluster(kind: _devices.DeviceKind, num_hosts: int, devices_per_host: in
         num_hosts=num_hosts,
         devices_per_host=devices_per_host,
         device_kind=kind.name,
-        peak_flops=kind.peak_flops,
+        peak_flops=kind.sustained_flops(),
         memory_bytes=kind.memory_bytes,
         memory_bandwidth_bytes_per_s=kind.memory_bandwidth_bytes_per_s,
         intra_host=Link(kind.intra_host_alpha_s, 1.0 / intra_bw),

@@ -17,6 +17,8 @@ Conventions and assumptions (apply to every GPU row):
   reach on large messages) to get an effective bus bandwidth for the α-β model.
 * The host network figure is the aggregate of all NICs of one node; each device gets an equal
   share (all devices of a host talk across hosts at once in SPMD programs).
+* Matmuls are priced at ``peak x achieved_fraction`` where a published measurement calibrates
+  the fraction (V100 FP16: Megatron-LM's single-GPU run, cited at the row), else at the peak.
 * α (latency per collective) values are assumptions, not vendor figures: a few µs inside a
   node over NVLink/NVSwitch, ~10 µs over InfiniBand/EFA with GPUDirect, ~30 µs over TCP.
 """
@@ -52,6 +54,9 @@ class DeviceKind:
       inter_host_alpha_s: assumed latency of one collective across nodes, seconds.
       devices_per_node: devices in the reference node.
       node: the reference node the link figures come from.
+      achieved_fraction: per dtype name, the fraction of ``peak_flops`` a training step's
+        matmuls sustain, calibrated on a published measurement (cited at the row); dtypes
+        without an entry are priced at the datasheet peak (optimistic, not calibrated).
     """
 
     name: str
@@ -65,6 +70,11 @@ class DeviceKind:
     inter_host_alpha_s: float
     devices_per_node: int
     node: str
+    achieved_fraction: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def sustained_flops(self) -> dict[str, float]:
+        """FLOP/s per dtype the cost model prices matmuls at: peak x achieved fraction."""
+        return {d: v * self.achieved_fraction.get(d, 1.0) for d, v in self.peak_flops.items()}
 
 
 # --- NVIDIA V100 -------------------------------------------------------------------------------
@@ -94,6 +104,14 @@ V100_16GB = DeviceKind(
     inter_host_alpha_s=30e-6,  # assumption (TCP over 25 GbE, no GPUDirect RDMA)
     devices_per_node=8,
     node="AWS p3.16xlarge",
+    # Calibration (tests/test_gpu_calibration.py): Megatron-LM (Shoeybi et al. 2019, §5.1)
+    # trains a 1.2B GPT (hidden 1536, 40 layers, 16 heads, seq 1024, batch 8, mixed
+    # precision, activation checkpointing) on one V100-32GB of a DGX-2H at 39 TFLOP/s,
+    # "30% of the theoretical peak" (130 TFLOP/s for the DGX-2H's V100s). Counting FLOPs as
+    # autopar.models.flops_per_step does (assumed: the paper does not give its formula) and
+    # scaling to this part's 125 TFLOP/s, autopar's step model reproduces 39 x 125/130 =
+    # 37.5 TFLOP/s for that run with 47% of the FP16 tensor peak on the matmuls.
+    achieved_fraction={"float16": 0.47},
 )
 
 V100_32GB = dataclasses.replace(
