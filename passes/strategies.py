@@ -173,13 +173,25 @@ def _gather_cost(nbytes: float, spec: Spec, axes: Sequence[str], mesh: MeshConte
     return mesh.all_gather_s(nbytes / max(others, 1), axes)
 
 
+def _carry(spec: Spec, src: tuple[int, ...], dst: tuple[int, ...]) -> Spec:
+    """`spec` of a value of shape `src` carried to an operand or result of shape `dst` of
+    the same elementwise op: lax broadcasts size-1 dims implicitly ((256, 8) == (256, 1)),
+    so dims of equal size keep their axes and the size-1 side of a broadcast is whole;
+    other shapes (scalars) are replicated."""
+    if dst == src:
+        return spec
+    if len(dst) != len(src) or any(a != b and 1 not in (a, b) for a, b in zip(src, dst)):
+        return replicated(len(dst))
+    return tuple(axes if a == b else () for axes, a, b in zip(spec, src, dst))
+
+
 def _same_or_scalar(info: EqnInfo, spec: Spec, shape: tuple[int, ...]) -> tuple[Spec | None, ...]:
-    return tuple(spec if s == shape else replicated(len(s)) for s in info.in_shapes)
+    return tuple(_carry(spec, shape, s) for s in info.in_shapes)
 
 
 def follow_elementwise(info: EqnInfo, lead: int, spec: Spec, mesh: MeshContext) -> FollowResult:
     shape = info.in_shapes[lead]
-    outs = tuple(spec if s == shape else replicated(len(s)) for s in info.out_shapes)
+    outs = tuple(_carry(spec, shape, s) for s in info.out_shapes)
     return FollowResult(outs, _same_or_scalar(info, spec, shape), 0.0)
 
 

@@ -208,6 +208,21 @@ def test_follow_rules():
     assert res.out_specs == (((), ("x",), ()),)
 
 
+def test_elementwise_follows_through_size_one_broadcasts():
+    """lax broadcasts size-1 dims itself (softmax's `x - max(x, keepdims)` is `sub` of
+    (8, 6) and (8, 1)): a row-split `x` needs the (8, 1) operand split the same way, not
+    replicated (which was priced as an all-gather XLA never emits)."""
+    info = _info(lambda a, b: jax.lax.sub(a, b), jnp.ones((8, 6)), jnp.ones((8, 1)))
+    res = st.follow_elementwise(info, 0, (("x",), ()), MESH_1D)
+    assert res.in_specs == ((("x",), ()), (("x",), ())) and res.comm_s == 0
+    assert res.out_specs == ((("x",), ()),)
+    # A split along the broadcast dim leaves the size-1 side whole; scalars stay replicated.
+    res = st.follow_elementwise(info, 0, ((), ("x",)), MESH_1D)
+    assert res.in_specs == (((), ("x",)), ((), ()))
+    info = _info(lambda a: a * 2.0, jnp.ones((8, 6)))
+    assert st.follow_elementwise(info, 0, (("x",), ()), MESH_1D).out_specs == ((("x",), ()),)
+
+
 def test_unknown_primitive_gets_replicated_rule():
     assert st.rule_for("some_new_primitive_xyz") is None
 
