@@ -12,7 +12,7 @@ import numpy as np
 import autopar
 
 from helpers import collectives, per_device_bytes
-from models import mlp_case
+from models import gpt_case, mlp_case
 
 CLUSTER = "8xA100-80GB"
 
@@ -115,3 +115,14 @@ def test_data_parallel_plan_has_gradient_all_reduce_of_parameter_bytes():
     reduced = sum(b for k, b in found if k == "all-reduce")
     assert reduced >= _param_bytes(state)
     assert not [k for k, _ in found if k == "all-gather"]
+
+
+def test_data_parallel_gpt_gathers_no_activations():
+    """Softmax and LayerNorm subtract a (B, S, 1) statistic from a (B, S, H) activation
+    (lax broadcasts the size-1 dim itself): data parallel keeps both split over the batch.
+    A rule that asked for the statistic replicated made XLA all-gather it, 8 times a step."""
+    case = gpt_case(batch=16, seq=32, hidden=128, heads=8, vocab=256)
+    _, plan, compiled, state, _ = _plan_and_compiled(case, autopar.DataParallel())
+    found = collectives(compiled, plan)
+    assert {k for k, _ in found} == {"all-reduce"}, found
+    assert sum(b for _, b in found) >= _param_bytes(state)
