@@ -611,7 +611,8 @@ class _ProblemBuilder:
     @property
     def buffers(self) -> mem.BufferInfo:
         if self._buffers is None:
-            self._buffers = mem.analyze(self.graph)
+            self._buffers = mem.analyze(self.graph,
+                                        cpu=self.mesh.cluster.device_kind == "cpu")
         return self._buffers
 
     def problem(self, memory_budget_bytes: float | None) -> ShardingProblem:

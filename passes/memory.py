@@ -51,6 +51,7 @@ FUSING_CONSUMERS: frozenset[str] = FUSIBLE_PRODUCERS | {
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
     "argmax", "argmin",
 }
+_REDUCTIONS: frozenset[str] = FUSING_CONSUMERS - FUSIBLE_PRODUCERS
 # Producers XLA recomputes in every consumer that fuses them only when cheap; an expensive
 # one with several consumers keeps its buffer (xla::HloInstruction::IsElementwise + the
 # fusion pass's "do not duplicate expensive ops").
@@ -102,6 +103,9 @@ class BufferInfo:
       eqn_bytes: float64 [num_eqns]: bytes each equation reads and writes in memory once
         fused: the buffers it reads (not the values it recomputes) and the buffers it
         writes (a fused output is never written).
+      broadcasts: (value, like, start, end) per implicit broadcast XLA:CPU materializes
+        (`analyze(cpu=True)`): `value` broadcast to the shape of value `like` (whose
+        layout it has), live [start, end).
     """
 
     materialized: np.ndarray
@@ -114,9 +118,10 @@ class BufferInfo:
     inplace: dict
     readers: dict
     eqn_bytes: np.ndarray
+    broadcasts: tuple[tuple[int, int, int, int], ...] = ()
 
 
-def analyze(graph: Graph) -> BufferInfo:
+def analyze(graph: Graph, *, cpu: bool = False) -> BufferInfo:
     """Fusion, liveness and urgency of every value of `graph` (see the module docstring).
 
     A fusible equation (elementwise, layout change) is recomputed inside every consumer
@@ -124,8 +129,19 @@ def analyze(graph: Graph) -> BufferInfo:
     a gather, ...), it is materialized for those only, and its operands stay live until the
     fusing consumers have run too.  An expensive one (exp, log, tanh, ...) read by several
     consumers is not recomputed: it keeps its buffer until its last use.
+
+    cpu: XLA:CPU's reduction fusions (YNNPACK) take one elementwise producer into the
+    reduce kernel and read that producer's operands as buffers, so e.g. LayerNorm's
+    broadcast scale, which its backward's `reduce_sum(mul(g, broadcast(scale)))` reads,
+    is materialized and lives from the forward to the backward (GPU XLA recomputes it).
     """
     n_vals, n_eqns = len(graph.values), len(graph.eqns)
+    into_reduce = np.zeros(n_eqns, bool)  # XLA:CPU: reads its operands as buffers
+    if cpu:
+        for e in graph.eqns:
+            users = graph.consumers[e.outputs[0]] if len(e.outputs) == 1 else ()
+            into_reduce[e.index] = (e.name in FUSIBLE_PRODUCERS and bool(users) and all(
+                graph.eqns[u].name in _REDUCTIONS for u in users))
     horizon = n_eqns + 1
     is_output = np.zeros(n_vals, bool)
     for op in graph.outvars:
@@ -151,7 +167,8 @@ def analyze(graph: Graph) -> BufferInfo:
             continue
         if _expensive(graph, e) and len(users) > 1:
             continue
-        fusing = [u for u in users if graph.eqns[u].name in FUSING_CONSUMERS]
+        fusing = [u for u in users
+                  if graph.eqns[u].name in FUSING_CONSUMERS and not into_reduce[u]]
         if len(fusing) == len(users):
             mode[out] = "fused"
         elif any(graph.eqns[u].name in FUSIBLE_PRODUCERS for u in fusing):
@@ -161,19 +178,25 @@ def analyze(graph: Graph) -> BufferInfo:
         # Where the value has a buffer anyway, a reduction reads it (input fusion reads
         # materialized operands); loop fusions recompute it.
         m = mode.get(vid)
+        if into_reduce[user]:
+            return False
         return m == "fused" or (m == "split" and graph.eqns[user].name in FUSIBLE_PRODUCERS)
 
     # last[e]: the latest time equation e's computation runs (in its own position, or
     # inside the fusions that recompute it).
     last = np.arange(n_eqns, dtype=np.int64)
+    earliest = np.arange(n_eqns, dtype=np.int64)  # the first time it runs
     for e in reversed(graph.eqns):
         if len(e.outputs) != 1 or e.outputs[0] not in mode:
             continue
         out = e.outputs[0]
         times = [int(last[u]) for u in graph.consumers[out] if recomputes(out, u)]
+        firsts = [int(earliest[u]) for u in graph.consumers[out] if recomputes(out, u)]
         if mode[out] == "split":
             times.append(e.index)
+            firsts.append(e.index)
         last[e.index] = max(times)
+        earliest[e.index] = min(firsts)
     start = np.zeros(n_vals, np.int64)
     end = np.zeros(n_vals, np.int64)
     readers: dict[int, tuple[tuple[int, int], ...]] = {}
@@ -236,7 +259,34 @@ def analyze(graph: Graph) -> BufferInfo:
         if v.producer is not None and materialized[v.id]:
             eqn_bytes[v.producer] += v.nbytes
     return BufferInfo(materialized, start, end, horizon, urgent, is_output, last, inplace,
-                      readers, eqn_bytes)
+                      readers, eqn_bytes, _cpu_broadcasts(graph, into_reduce, earliest, last))
+
+
+def _cpu_broadcasts(graph: Graph, into_reduce: np.ndarray, earliest: np.ndarray,
+                    runs_at: np.ndarray) -> tuple[tuple[int, int, int, int], ...]:
+    """The implicit broadcasts (lax broadcasts size-1 dims of an elementwise operand) that
+    an XLA:CPU reduction fusion reads as buffers.  XLA makes one broadcast instruction per
+    (operand, shape) for the whole step (CSE), so the buffer lives from the first
+    equation anywhere that broadcasts that operand to that shape (LayerNorm's forward) to
+    the last reduction fusion reading it (its backward)."""
+    first: dict[tuple[int, tuple], int] = {}
+    last_read: dict[tuple[int, tuple], tuple[int, int]] = {}
+    for e in graph.eqns:
+        if e.name not in FUSIBLE_PRODUCERS or len(e.outputs) != 1:
+            continue
+        shape = graph.values[e.outputs[0]].shape
+        for op in e.inputs:
+            if not isinstance(op, int):
+                continue
+            v = graph.values[op]
+            if v.ndim != len(shape) or v.shape == shape or v.size == 0:
+                continue
+            key, t = (op, shape), int(runs_at[e.index])
+            first[key] = min(first.get(key, t), int(earliest[e.index]))
+            if into_reduce[e.index] and t >= last_read.get(key, (-1, 0))[0]:
+                last_read[key] = (t, e.outputs[0])
+    return tuple((op, like, first[(op, shape)], t + 1)
+                 for (op, shape), (t, like) in last_read.items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,6 +420,8 @@ def temp_buffers(graph: Graph, info: BufferInfo, value_bytes: Callable[[int], fl
         if scatter_as_all_reduce and vid in partial:
             nbytes = max(nbytes, partial[vid])  # the slice reads the all-reduced buffer
         events.append((s, max(e, s + 1), nbytes, f"v{vid} {v.shape}"))
+    for vid, like, s, e in info.broadcasts:
+        events.append((s, e, value_bytes(like), f"broadcast v{vid} {graph.values[like].shape}"))
     # One copy per (value, layout), shared by its readers (XLA's CSE): a gathering copy is
     # made before the first of them, a slice right after the value.
     copies: dict[tuple[int, object], list] = {}

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 
 import autopar
+from benchmarks.baselines import MegatronTP, input_names
 
 from helpers import collectives, per_device_bytes
 from models import gpt_case, mlp_case
@@ -126,3 +128,20 @@ def test_data_parallel_gpt_gathers_no_activations():
     found = collectives(compiled, plan)
     assert {k for k, _ in found} == {"all-reduce"}, found
     assert sum(b for _, b in found) >= _param_bytes(state)
+
+
+@pytest.mark.parametrize("method", ["dp", "zero3", "tp"])
+def test_gpt_memory_prediction_matches_xla_cpu(method):
+    """The memory model of the backend that compiles the step (cpu-local: XLA:CPU's
+    reduction fusions read LayerNorm's broadcast scale and inverse deviation as buffers,
+    live from the forward to the backward; its reduce-scatters are all-reduces) predicts
+    memory_analysis()'s peak within 10%.  Megatron-style tp was at 0.67 without them."""
+    case = gpt_case(batch=16, seq=32, hidden=128, heads=8, vocab=256)
+    state, batch = case.init()
+    make = {"dp": autopar.DataParallel, "zero3": autopar.Zero3Parallel,
+            "tp": lambda: MegatronTP(mesh_shape=(1, 8), input_names=input_names(state, batch))}
+    step = autopar.parallelize(case.step, method=make[method](), donate_argnums=(0,),
+                               cluster="cpu-local")
+    plan = step.get_plan(state, batch)
+    compiled = step.lower(state, batch).compile()
+    assert plan.predicted.memory_bytes == pytest.approx(per_device_bytes(compiled), rel=0.10)
