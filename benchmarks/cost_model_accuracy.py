@@ -482,44 +482,43 @@ ANALYSIS = """
 
 Re-pricing a plan's own layout on its own cluster (`passes/intra_op.price_specs`)
 reproduces the search's objective (last summary line), so the figures compare the plan that
-was emitted.  Volumes are per-device α-β byte terms on both sides.  Since the run of
-2026-11-23, a matmul's compute reads each operand at its own layout
-(`strategies.layout_compute_s`), and a reshard that puts a new axis ahead of the ones a dim
-keeps is priced as the collective-permute XLA emits for it (`sharding_spec.reorders`).
+was emitted.  Volumes are per-device α-β byte terms on both sides.
 
-1. **Memory: 7/16 within ±10% (was 0/16 with the per-value count).**  The predicted figure
-   is `passes/memory.py`'s estimate of the compiled step (fused elementwise chains,
-   outputs aliased to donated inputs, unreduced partial sums combined in buckets,
-   resharded copies).  Every MLP plan but ZeRO-3 is within 1% (0.99–1.01).  What is left:
-   * *GPT, every plan under-predicted (0.70–0.86)*: the temp term.  GPT dp: predicted temp
-     4.68 MiB, compiled 7.24 MiB; arguments/outputs/aliases agree to the byte.  XLA
-     combines the 33 gradient all-reduces into one tuple all-reduce (as the model's
-     buckets assume), so the gap is elsewhere, not yet attributed buffer by buffer; the
-     likely cause is backward-pass buffers (attention, LayerNorm) that the fusion rule
-     treats as fused (the "+ elementwise fused" what-if column is 0.58–0.90 on GPT);
-   * *ZeRO-3 (MLP 0.83, GPT 0.86)*: the parameter all-gathers' full-size outputs; the
-     estimate keeps each gathered parameter only until its first reader.
-2. **Communication bytes 14/16 within ±15%.**  Off: ZeRO-3 only (0.70 MLP, 0.74 GPT: on
+1. **Memory: 16/16 within ±10% (0.99–1.07; 7/16 in the previous run).**  Two changes:
+   * *Elementwise ops with an implicitly broadcast operand* (`sub` of (B, S, H) and
+     (B, S, 1) in LayerNorm and softmax: lax broadcasts size-1 dims itself).  The follow
+     rule asked for the small operand replicated; the emitter passed that on and XLA
+     all-gathered it.  Now it is split like the large one: GPT dp compiles to one
+     all-reduce (8 all-gathers before) and 6.87 MiB per device (10.55 before);
+   * *XLA:CPU's own memory rules* (`memory.analyze(cpu=True)`, for clusters whose
+     device kind is cpu): its reduction fusions take one elementwise producer and read
+     that producer's operands as buffers, and XLA keeps one broadcast per (operand,
+     shape) for the step.  LayerNorm's broadcast scale and inverse deviation are then
+     buffers live from the forward to the backward (Megatron-TP GPT: ten of 256 KiB,
+     0.67 → 0.99), and a reduce-scatter is an all-reduce plus a slice (ZeRO-3: 0.85 →
+     1.01 MLP, 0.84 → 0.99 GPT).  The plans here are searched for 8xA100-80GB under GPU
+     rules ("GPU rules" column) and compiled by XLA:CPU, so the compared prediction is
+     the same layout under the CPU rules.
+   What is left: GPT dp / auto at 1.07 (temp predicted 4.05 vs 3.56 MiB compiled: XLA
+   frees some backward buffers earlier than equation order).
+2. **Communication bytes 14/16 within ±15%.**  Off: ZeRO-3 only (0.69 MLP, 0.71 GPT: on
    CPU XLA lowers each reduce-scatter to all-reduce + dynamic-slice, JAX-NOTES, doubling
-   its bytes).  GPT auto 2×4 (0.78 on 2026-11-23) is now 1.00.  With operand-layout
-   pricing alone, its search chose rows split over y alone and then read them split over
-   (x, y), which the model took for a free slice: XLA moves every block (18
-   collective-permutes, audited 230 µs against 127 predicted).  Priced, the search avoids
-   them: audited 119 µs (128.6 before both changes).
-3. **Step time on 8xA100-80GB: 13/16 within ±25%; ranking by predicted vs audited time:
-   Spearman 0.98 (GPT), 0.75 (MLP); the best plan (dp) is predicted right for both.**
-   The misordered pairs are the 2×4 meshes, over-priced (MLP tp 2×4 1.25, auto 2×4 1.30,
-   GPT tp 2×4 1.58): the byte volumes agree, so it is the time per byte or latency of
-   the collectives over both axes (not attributed yet).
+   its bytes).
+3. **Step time on 8xA100-80GB: 14/16 within ±25%; ranking by predicted vs audited time:
+   Spearman 0.98 on both models (MLP 0.75 in the previous run); the best plan (dp) is
+   predicted right for both.**  The MLP's 2×4 plans were over-priced (1.25–1.30) by the
+   same replicated-operand rule: an all-gather over both axes that XLA never ran.  The
+   remaining misordered pair is tp 8×1 / tp 2×4 (audited equal).  Predictions are now
+   0.68–0.98 of the audit: the audit prices every collective with its full α, the model
+   pro-rates α over a 30 MiB combined bucket.
 4. **XLA's involuntary full rematerializations: 0 on all 16 plans** (counted from the
    compile's log, `autopar.cost_model.compile_log`): reshards that move a split between
    dims with several mesh axes are emitted through the gathered layout (`gather_first`)
    and priced as all-gathers.
-5. **cpu-local: predictions are 0.45–0.70 of the measured medians** (load average ~1.3
-   in this run, against 6 in the last).  The GPT ranking is close (Spearman 0.84: the
-   best plan, auto 1×8, is predicted right); the MLP's is not (0.29): its eight plans
-   measured 11.2–21.3 ms, seven of them within 11.2–14.2 ms, closer together than the
-   machine's run-to-run spread, and dp is last on both sides.
+5. **cpu-local: predictions are 0.36–0.78 of the measured medians.**  GPT ranking:
+   Spearman 0.88, the best plan predicted right; MLP: 0.42, its plans measured
+   10.8–28.3 ms, seven of them within 10.8–12.4 ms, closer together than the machine's
+   run-to-run spread, and dp is last on both sides.
 """
 
 
