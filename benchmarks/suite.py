@@ -183,10 +183,16 @@ def run_case(devices: int, model: str, global_batch: int, cluster: ClusterSpec,
     """Every strategy on one case; returns a JSON-able row."""
     sub = case_cluster(cluster, devices)
     pricer = Pricer(model, global_batch, sub, progress=progress)
-    num_layers = len(pricer.workload(_micro(global_batch, 1, 1, 1024)[0]).layers)
+    w = pricer.workload(_micro(global_batch, 1, 1, 1024)[0])
+    num_layers = len(w.layers)
     flops = zoo.flops_per_step(model, global_batch)
+    param_bytes = float(sum(w.value_bytes(v) for v in w.param_ids))
     row: dict = {"devices": devices, "model": model, "params": zoo.param_count(model),
-                 "flops_per_step": flops, "layers": num_layers, "strategies": {}}
+                 "flops_per_step": flops, "layers": num_layers, "strategies": {},
+                 # Parameters, their gradients and the optimizer state, split evenly over
+                 # every device: no plan holds less per device.
+                 "state_bytes_per_device_min":
+                     param_bytes * (2.0 + w.state_bytes_per_param_byte) / devices}
     layouts = baseline_layouts(devices, sub.devices_per_host, num_layers, global_batch)
     best_baseline: Evaluation | None = None
     for name in strategies:
@@ -247,6 +253,14 @@ def markdown(suite: str, cluster: ClusterSpec, rows: list[dict], wall_s: float) 
         cells = [_fmt_cell(r["strategies"].get(s, {})) for s in STRATEGIES]
         ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "—"
         lines.append(f"| {r['devices']} | {r['model']} | " + " | ".join(cells) + f" | {ratio} |")
+    for r in rows:
+        floor = r.get("state_bytes_per_device_min", 0.0)
+        if floor > cluster.memory_bytes:
+            lines += ["", f"{r['model']} on {r['devices']} devices: no plan can fit. Its "
+                      f"parameters, their gradients and the optimizer state take "
+                      f"{floor * r['devices'] / 2**30:,.0f} GiB, at least "
+                      f"{floor / 2**30:.1f} GiB per device even split over all "
+                      f"{r['devices']}, over the {mem:.0f} GiB of one."]
     lines += ["", "Chosen layouts (dp x tp x pp, micro-batches) and memory per device:", "",
               "| devices | model | " + " | ".join(LABELS[s] for s in STRATEGIES) + " |",
               "|---" * (len(STRATEGIES) + 2) + "|"]

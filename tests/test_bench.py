@@ -174,6 +174,18 @@ def test_suite_writes_markdown_json_and_chart(tmp_path, monkeypatch):
     assert stem.with_suffix(".png").stat().st_size > 1000
 
 
+def test_suite_says_when_no_plan_can_fit():
+    """MoE-70B on 64 V100-16GB: 70.4e9 float32 parameters, their gradients and AdamW's two
+    moments need 16.4 GiB per device even split over all 64, over the 16 GiB of one."""
+    cluster = ClusterSpec.preset("8x8xV100-16GB")
+    row = {"devices": 64, "model": "moe-70b", "strategies": {}, "ratio": None,
+           "state_bytes_per_device_min": 70.4e9 * 4 * 4 / 64}
+    md = suite.markdown("moe", cluster, [row], 1.0)
+    assert "moe-70b on 64 devices: no plan can fit" in md and "16.4 GiB per device" in md
+    row["state_bytes_per_device_min"] = 12e9 / 64
+    assert "no plan can fit" not in suite.markdown("moe", cluster, [row], 1.0)
+
+
 def test_suite_rejects_unknown_suite():
     with pytest.raises(ValueError, match="unknown suite 'bert'"):
         suite.run("bert", "8xA100-80GB")
