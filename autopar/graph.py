@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -41,6 +41,7 @@ _INLINE_JAXPR_PARAM: dict[str, str] = {
 
 
 Operand = int | Lit
+_REMAT = frozenset({"remat2", "checkpoint"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +242,11 @@ class Graph:
       outvars: operands of the program outputs (a value id or a literal).
       consts: constant arrays captured by the trace, by `Value.const_index`.
       consumers: for each value id, the indices of the equations that read it.
+      barriers: equation index → value ids that pass through an optimization barrier
+        before it runs: the operands of an inlined rematerialized backward (`remat2` with
+        `prevent_cse`), which JAX's lowering ties together so that XLA neither merges the
+        recomputation with the forward (CSE) nor starts it before the cotangent arrives.
+        Invisible to the planner (identity, no buffer); applied by `run_eqns`.
     """
 
     values: tuple[Value, ...]
@@ -249,6 +255,7 @@ class Graph:
     outvars: tuple[Operand, ...]
     consts: tuple[Any, ...]
     consumers: tuple[tuple[int, ...], ...]
+    barriers: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def from_jaxpr(closed: jcore.ClosedJaxpr, inline: bool = True,
@@ -280,6 +287,7 @@ class Graph:
             outvars=outvars,
             consts=tuple(builder.consts),
             consumers=tuple(tuple(c) for c in consumers),
+            barriers=dict(builder.barriers),
         )
 
     @property
@@ -347,9 +355,19 @@ class Graph:
                     const = self.values[op].const_index
                     if const is not None:
                         env[op] = self.consts[const]
-        run_eqns(((i, self.eqns[i]) for i in indices), env, on_operand=on_operand,
+        run_eqns(self._with_barriers(indices, env), env, on_operand=on_operand,
                  on_value=on_value, override=override, keyed=True)
         return env
+
+    def _with_barriers(self, indices: Sequence[int], env: dict[int, Any]):
+        """(index, equation) pairs; before yielding an equation that starts an inlined
+        rematerialized backward, passes its operands in `env` through one
+        `optimization_barrier` (JAX's own lowering of `remat2`, see `barriers`)."""
+        for i in indices:
+            tied = [v for v in self.barriers.get(i, ()) if v in env]
+            if tied:
+                env.update(zip(tied, jax.lax.optimization_barrier([env[v] for v in tied])))
+            yield i, self.eqns[i]
 
     def read(self, op: Operand, env: dict[int, Any]) -> Any:
         """The value of an operand: a literal, a constant, or `env[id]`."""
@@ -372,6 +390,7 @@ class _Builder:
         self.values: list[Value] = []
         self.eqns: list[Eqn] = []
         self.consts: list[Any] = []
+        self.barriers: dict[int, tuple[int, ...]] = {}
 
     def new_value(self, aval: Any, producer: int | None = None, input_index: int | None = None,
                   const_index: int | None = None) -> int:
@@ -419,6 +438,14 @@ class _Builder:
         for var, const in zip(inner.constvars, consts):
             inner_env[var] = self.new_value(var.aval, const_index=len(self.consts))
             self.consts.append(const)
+        cse = eqn.params.get("prevent_cse", False)
+        if eqn.primitive.name in _REMAT and eqn.params.get("differentiated", False) and cse:
+            flags = (cse,) * len(ins) if isinstance(cse, bool) else cse
+            tied = tuple(op for op, f in zip(ins, flags) if f and isinstance(op, int)
+                         and self.values[op].const_index is None)
+            if tied:
+                at = len(self.eqns)
+                self.barriers[at] = self.barriers.get(at, ()) + tied
         # Calls may take extra leading operands (e.g. custom_vjp's residual functions);
         # the body's inputs are the trailing ones.
         for var, op in zip(inner.invars, ins[len(ins) - len(inner.invars):]):

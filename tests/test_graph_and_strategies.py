@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import autopar
 from autopar.cost_model import ClusterSpec
 from autopar.cost_model.compute import compute_time_s
 from autopar.graph import Graph
@@ -221,6 +222,46 @@ def test_elementwise_follows_through_size_one_broadcasts():
     assert res.in_specs == (((), ("x",)), ((), ()))
     info = _info(lambda a: a * 2.0, jnp.ones((8, 6)))
     assert st.follow_elementwise(info, 0, (("x",), ()), MESH_1D).out_specs == ((("x",), ()),)
+
+
+def _remat_fb(x):
+    f = lambda x: jnp.sin(jnp.exp(x @ x)).sum()
+    y, vjp = jax.vjp(jax.checkpoint(f), x)
+    return y, vjp(jnp.ones_like(y))
+
+
+def test_inlined_remat_keeps_its_barrier_so_xla_recomputes():
+    """JAX lowers a differentiated `remat2` with an optimization barrier on its operands;
+    inlining the call must keep it, or XLA merges the recomputation with the forward (CSE)
+    and the step holds the forward's values after all: one `exp` instead of jax.jit's two."""
+    x = jnp.full((64, 64), 0.01)
+    graph = Graph.from_jaxpr(jax.make_jaxpr(_remat_fb)(x))
+    assert len(graph.barriers) == 1
+    ours = jax.jit(lambda x: graph.evaluate([x])).lower(x).compile().as_text()
+    ref = jax.jit(_remat_fb).lower(x).compile().as_text()
+    assert ours.count("exponential(") == ref.count("exponential(") == 2
+    np.testing.assert_allclose(jax.jit(lambda x: graph.evaluate([x]))(x)[1],
+                               _remat_fb(x)[1][0], rtol=1e-6)
+
+
+def test_shard_parallel_step_recomputes_a_rematerialized_block():
+    def loss(w, x):
+        block = jax.checkpoint(lambda w, x: jnp.tanh(jnp.exp(x @ w) @ w))
+        return block(w, x).sum()
+
+    def step(w, x):
+        value, grad = jax.value_and_grad(loss)(w, x)
+        return value, w - 0.1 * grad
+
+    w, x = jnp.full((64, 64), 0.01), jnp.ones((64, 64))
+    # One device: XLA:CPU's SPMD pipeline merges the recomputation under jax.jit too.
+    par = autopar.parallelize(step, method=autopar.ShardParallel(mesh_shape=(1,)),
+                              devices=jax.devices()[:1], cluster="cpu-local")
+    ours = par.lower(w, x).compile().as_text()
+    ref = jax.jit(step).lower(w, x).compile().as_text()
+    assert ours.count("exponential(") == ref.count("exponential(") == 2
+    for a, b in zip(par(w, x), step(w, x)):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
 
 
 def test_unknown_primitive_gets_replicated_rule():
