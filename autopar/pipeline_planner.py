@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from autopar.cost_model import ClusterSpec, Link
 from autopar.cost_model.collectives import send_recv_s
 from autopar.cost_model.compute import compute_time_s
+from autopar.cost_model.units import format_bytes
 from autopar.graph import Graph
 from autopar.passes import inter_op, intra_op, layering
 from autopar.passes.sharding_spec import (
@@ -370,6 +371,17 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     ranges = lay.eqn_ranges()
     layer_programs = pipeline.stage_programs(graph, [a for a, _ in ranges[1:]])
     budget = method.memory_budget_bytes or cluster.memory_bytes
+    # Parameters, their gradient accumulators and the optimizer state, split evenly over
+    # every device: no stage layout holds less per device.  Fail now rather than after
+    # pricing every stage (minutes on large clusters).
+    param_bytes = float(sum(graph.values[v].nbytes for v in params))
+    floor = param_bytes * (2.0 + state_bytes_per_param_byte) / n
+    if floor > budget:
+        raise ValueError(
+            f"no stage layout fits: the parameters ({format_bytes(param_bytes)}), their "
+            f"gradients and the optimizer state ({state_bytes_per_param_byte:.3g} bytes per "
+            f"parameter byte) need {format_bytes(floor)} per device even split over all "
+            f"{n} devices; the budget is {format_bytes(budget)} per device")
     kw = dict(solver=method.solver, time_limit_s=method.time_limit_s, batch_size=batch_size)
     # The layer ILPs price each parameter's update at its layout: split where that pays
     # (or always, for a fixed layout); a stage may then split every parameter's state when

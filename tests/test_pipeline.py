@@ -138,3 +138,18 @@ def test_more_stages_than_devices():
         num_micro_batches=2, num_stages=2), devices=jax.devices()[:1])
     with pytest.raises(ValueError, match="2 stages need at least 2 devices, 1 are used"):
         step.get_plan(*case.init())
+
+
+def test_state_larger_than_all_devices_fails_before_searching():
+    """MoE-70B on 64 V100-16GB: 70.4e9 float32 parameters, their gradients and AdamW's
+    moments need 16.4 GiB per device even split over all 64: the search says so at once
+    (it used to price every stage option first, minutes on 64 devices)."""
+    import time
+
+    step, args = autopar.models.train_step_and_args("moe-70b", 1024)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"need 16\.39 GiB per device even split over "
+                                         r"all 64 devices"):
+        autopar.plan(step, *args, cluster="8x8xV100-16GB",
+                     method=autopar.PipeshardParallel(num_micro_batches=1024))
+    assert time.perf_counter() - t0 < 120
