@@ -334,6 +334,13 @@ def _cheapest(options: dict[tuple[int, ...], _Priced]) -> _Priced:
     return min(options.values(), key=lambda p: p.cost_s)
 
 
+def state_floor_bytes(param_bytes: float, state_bytes_per_param_byte: float,
+                      num_devices: int) -> float:
+    """Bytes per device that no plan goes below: the parameters, their gradient
+    accumulators and the optimizer state, split evenly over all `num_devices`."""
+    return param_bytes * (2.0 + state_bytes_per_param_byte) / num_devices
+
+
 def search(split: pipeline.SplitStep, method: PipelineMethod,
            cluster: ClusterSpec, device_ids: Sequence[int], *, fp: str,
            input_names: Sequence[str], in_shapes: Sequence[tuple[int, ...]],
@@ -371,11 +378,9 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     ranges = lay.eqn_ranges()
     layer_programs = pipeline.stage_programs(graph, [a for a, _ in ranges[1:]])
     budget = method.memory_budget_bytes or cluster.memory_bytes
-    # Parameters, their gradient accumulators and the optimizer state, split evenly over
-    # every device: no stage layout holds less per device.  Fail now rather than after
-    # pricing every stage (minutes on large clusters).
+    # Fail now rather than after pricing every stage (minutes on large clusters).
     param_bytes = float(sum(graph.values[v].nbytes for v in params))
-    floor = param_bytes * (2.0 + state_bytes_per_param_byte) / n
+    floor = state_floor_bytes(param_bytes, state_bytes_per_param_byte, n)
     if floor > budget:
         raise ValueError(
             f"no stage layout fits: the parameters ({format_bytes(param_bytes)}), their "

@@ -28,6 +28,7 @@ import autopar
 from autopar import models as zoo
 from autopar.cost_model import ClusterSpec
 from autopar.cost_model.jsonio import write_json_atomic
+from autopar.pipeline_planner import state_floor_bytes
 from benchmarks.layouts import Evaluation, Layout, Pricer, best_fitting, grid_3d, micro_candidates
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -189,10 +190,8 @@ def run_case(devices: int, model: str, global_batch: int, cluster: ClusterSpec,
     param_bytes = float(sum(w.value_bytes(v) for v in w.param_ids))
     row: dict = {"devices": devices, "model": model, "params": zoo.param_count(model),
                  "flops_per_step": flops, "layers": num_layers, "strategies": {},
-                 # Parameters, their gradients and the optimizer state, split evenly over
-                 # every device: no plan holds less per device.
-                 "state_bytes_per_device_min":
-                     param_bytes * (2.0 + w.state_bytes_per_param_byte) / devices}
+                 "state_bytes_per_device_min": state_floor_bytes(
+                     param_bytes, w.state_bytes_per_param_byte, devices)}
     layouts = baseline_layouts(devices, sub.devices_per_host, num_layers, global_batch)
     best_baseline: Evaluation | None = None
     for name in strategies:

@@ -190,13 +190,10 @@ def analyze(graph: Graph, *, cpu: bool = False) -> BufferInfo:
         if len(e.outputs) != 1 or e.outputs[0] not in mode:
             continue
         out = e.outputs[0]
-        times = [int(last[u]) for u in graph.consumers[out] if recomputes(out, u)]
-        firsts = [int(earliest[u]) for u in graph.consumers[out] if recomputes(out, u)]
-        if mode[out] == "split":
-            times.append(e.index)
-            firsts.append(e.index)
-        last[e.index] = max(times)
-        earliest[e.index] = min(firsts)
+        inside = [u for u in graph.consumers[out] if recomputes(out, u)]
+        own = [e.index] if mode[out] == "split" else []
+        last[e.index] = max([int(last[u]) for u in inside] + own)
+        earliest[e.index] = min([int(earliest[u]) for u in inside] + own)
     start = np.zeros(n_vals, np.int64)
     end = np.zeros(n_vals, np.int64)
     readers: dict[int, tuple[tuple[int, int], ...]] = {}
@@ -269,6 +266,8 @@ def _cpu_broadcasts(graph: Graph, into_reduce: np.ndarray, earliest: np.ndarray,
     (operand, shape) for the whole step (CSE), so the buffer lives from the first
     equation anywhere that broadcasts that operand to that shape (LayerNorm's forward) to
     the last reduction fusion reading it (its backward)."""
+    if not into_reduce.any():
+        return ()
     first: dict[tuple[int, tuple], int] = {}
     last_read: dict[tuple[int, tuple], tuple[int, int]] = {}
     for e in graph.eqns:

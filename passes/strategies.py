@@ -185,14 +185,14 @@ def _carry(spec: Spec, src: tuple[int, ...], dst: tuple[int, ...]) -> Spec:
     return tuple(axes if a == b else () for axes, a, b in zip(spec, src, dst))
 
 
-def _same_or_scalar(info: EqnInfo, spec: Spec, shape: tuple[int, ...]) -> tuple[Spec | None, ...]:
+def _operand_specs(info: EqnInfo, spec: Spec, shape: tuple[int, ...]) -> tuple[Spec | None, ...]:
     return tuple(_carry(spec, shape, s) for s in info.in_shapes)
 
 
 def follow_elementwise(info: EqnInfo, lead: int, spec: Spec, mesh: MeshContext) -> FollowResult:
     shape = info.in_shapes[lead]
     outs = tuple(_carry(spec, shape, s) for s in info.out_shapes)
-    return FollowResult(outs, _same_or_scalar(info, spec, shape), 0.0)
+    return FollowResult(outs, _operand_specs(info, spec, shape), 0.0)
 
 
 def follow_unsplit(dims_of: Callable[[EqnInfo], Sequence[int]]) -> FollowFn:
@@ -207,7 +207,7 @@ def follow_unsplit(dims_of: Callable[[EqnInfo], Sequence[int]]) -> FollowFn:
                 outs.append(new)
             else:
                 outs.append(replicated(len(s)))
-        ins = _same_or_scalar(info, new, info.in_shapes[lead])
+        ins = _operand_specs(info, new, info.in_shapes[lead])
         return FollowResult(tuple(outs), ins, cost)
 
     return rule
