@@ -300,7 +300,8 @@ def markdown(suite: str, cluster: ClusterSpec, rows: list[dict], wall_s: float) 
                   "loops times their trip counts) and the compiled peak per device of the "
                   "largest stage (`PipelineCompiled.stage_memory_bytes`: the stage's "
                   "programs' memory_analysis, its 1F1B in-flight residuals and the optimizer "
-                  "state its apply-grad holds), next to the planner's stage memory:", "",
+                  "state its apply-grad holds), next to the planner's stage memory.  "
+                  + _scheduler_note(audited) + ":", "",
                   "| devices | model | collective bytes (one step) | compiled memory / "
                   "device | planner stage memory / device | compile (s) |",
                   "|---|---|---|---|---|---|"]
@@ -313,6 +314,16 @@ def markdown(suite: str, cluster: ClusterSpec, rows: list[dict], wall_s: float) 
                          f"{a['compiled_memory_bytes'] / 2**30:.2f} GiB | "
                          f"{planned / 2**30:.2f} GiB | {a['compile_s']} |")
     return "\n".join(lines) + "\n"
+
+
+def _scheduler_note(audited: list[dict]) -> str:
+    """Which XLA:CPU scheduler the audit compiled with (audits before the flag: default)."""
+    flags = {a["audit"].get("xla_flags", "") for a in audited}
+    if all("concurrency_optimized_scheduler=false" in f for f in flags):
+        return ("XLA:CPU scheduled for memory (`--xla_cpu_enable_concurrency_optimized_"
+                "scheduler=false`; its default scheduler needs 1.7-1.9x as much on the "
+                "V100 GPT cases)")
+    return "XLA:CPU's default (concurrency-optimized) scheduler"
 
 
 def chart(suite: str, cluster: ClusterSpec, rows: list[dict], path: pathlib.Path) -> None:

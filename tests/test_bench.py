@@ -186,6 +186,20 @@ def test_suite_says_when_no_plan_can_fit():
     assert "no plan can fit" not in suite.markdown("moe", cluster, [row], 1.0)
 
 
+def test_suite_audit_rows_say_which_xla_cpu_scheduler_compiled_them():
+    cluster = ClusterSpec.preset("8x8xV100-16GB")
+    audit = {"collective_bytes": {"all-reduce": 2**20}, "compiled_memory_bytes": 3 * 2**30,
+             "compile_s": 1.0}
+    row = {"devices": 1, "model": "gpt-350m", "ratio": 1.0,
+           "strategies": {"autopar": {"memory_bytes": 2 * 2**30}}, "audit": dict(audit)}
+    md = suite.markdown("gpt", cluster, [row], 1.0)
+    assert "| 1 | gpt-350m | all-reduce 1.0 MiB | 3.00 GiB | 2.00 GiB | 1.0 |" in md
+    assert "default (concurrency-optimized) scheduler" in md  # audits from before the flag
+    row["audit"]["xla_flags"] = ("--xla_force_host_platform_device_count=8 "
+                                 "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+    assert "XLA:CPU scheduled for memory" in suite.markdown("gpt", cluster, [row], 1.0)
+
+
 def test_suite_rejects_unknown_suite():
     with pytest.raises(ValueError, match="unknown suite 'bert'"):
         suite.run("bert", "8xA100-80GB")
