@@ -277,3 +277,41 @@ def test_inline_timer_does_not_outlive_its_solve():
     t0 = time.process_time()
     while time.process_time() - t0 < 1.5:  # a stale CPU timer would fire here
         pass
+
+
+def test_memory_repair_fits_and_adds_no_forbidden_term():
+    """repair_memory only lowers nodes' usage and never adds a forbidden term; without
+    forbidden terms it always fits when the least-usage choice does."""
+    from autopar.passes.solver.heuristic import LocalSearch, repair_memory
+
+    repaired = 0
+    for seed in range(40):
+        forbid = 0.15 if seed % 2 else 0.0
+        try:
+            red, _ = reduce_problem(random_problem(seed, "tight", forbid))
+        except InfeasibleError:  # forbidden strategies left no choice under the limit
+            continue
+        if red.num_nodes < 2:
+            continue
+        ls = LocalSearch(red)
+        ls.reset([int(np.argmax(d)) for d in red.du])  # the most usage: over the limit
+        if not np.any(ls.use > ls.cap + 1e-9):
+            continue
+        s0, forb0 = list(ls.s), ls.nforb
+        fits = repair_memory(ls, time.perf_counter() + 5)
+        assert fits == bool(np.all(ls.use <= ls.cap + 1e-9))
+        assert ls.nforb <= forb0
+        assert all(red.du[v][ls.s[v]] <= red.du[v][s0[v]] for v in range(red.num_nodes))
+        if not forbid:
+            assert fits, seed
+        repaired += fits
+    assert repaired >= 8
+
+    # G: each node's cheapest strategy breaks the limit; the repair makes it fit.
+    red, _ = reduce_problem(load_iopddl(DATA / "asplos-2025-iopddl-G.json.gz"))
+    ls = LocalSearch(red)
+    ls.reset([int(np.argmin(c)) for c in red.costs])
+    assert np.any(ls.use > ls.cap)
+    forb0 = ls.nforb
+    assert repair_memory(ls, time.perf_counter() + 10)
+    assert np.all(ls.use <= ls.cap) and ls.nforb <= forb0

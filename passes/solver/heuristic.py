@@ -248,6 +248,43 @@ def repair(ls: LocalSearch, deadline: float, tries: int = 8) -> int:
     return kept
 
 
+def repair_memory(ls: LocalSearch, deadline: float) -> bool:
+    """Greedy memory repair of the answer in `ls` where it is over the limit.
+
+    While some checkpoint is over, the node live there whose lower-usage strategy costs
+    least per byte of that checkpoint's overflow it removes (capped at the overflow)
+    takes it; a move that would add a forbidden term is never made, and a node's usage
+    only falls, so no other checkpoint gets worse.  The penalty loop's answers at too low
+    a weight are cheap and slightly over: this turns them into feasible candidates (the
+    contest winners' repair step).  Returns whether the answer now fits.
+    """
+    a = np.asarray(ls.a)
+    b = np.asarray(ls.b)
+    mem = np.asarray(ls.mem, bool)
+    while True:
+        over = ls.use - ls.cap
+        t = int(np.argmax(over)) if len(over) else 0
+        if not len(over) or over[t] <= _EPS:
+            return True
+        if time.perf_counter() >= deadline:
+            return False
+        best = (np.inf, -1, -1)
+        for v in np.flatnonzero(mem & (a <= t) & (b > t)).tolist():
+            cur = ls.s[v]
+            saved = ls.du[v][cur] - ls.du[v]
+            ok = (saved > _EPS) & (ls.forb[v] <= ls.forb[v][cur])
+            if not ok.any():
+                continue
+            rate = np.where(ok, (ls.tot[v] - ls.tot[v][cur])
+                            / np.maximum(np.minimum(saved, over[t]), _EPS), np.inf)
+            j = int(np.argmin(rate))
+            if rate[j] < best[0]:
+                best = (float(rate[j]), v, j)
+        if best[1] < 0:
+            return False  # nothing live at t can use less
+        ls.apply(best[1], best[2])
+
+
 def initial_strategies(red: Reduced) -> np.ndarray:
     """Least excess usage per node (ties: cheapest), avoiding forbidden node costs."""
     out = np.zeros(red.num_nodes, np.int64)

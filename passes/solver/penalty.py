@@ -12,7 +12,9 @@ the workers, with shorter solves), which on 2 workers finds the brackets' scale 
 sooner.  Every answer without an overflow is a feasible candidate; a local-search
 descent (heuristic.LocalSearch) polishes it.
 (1st place of the ASPLOS'25 IOPDDL contest: Staudt & Blacher, "Soft Constraints, Strong
-Solutions"; this is our own implementation of the idea.)
+Solutions"; this is our own implementation of the idea.)  An answer over the limit
+that is cheaper than the best feasible one is repaired greedily (heuristic.repair_memory)
+and polished the same way.
 
 What is deterministic: the weights of round r and the workers' seeds follow from the
 answers of rounds < r.  What is not: toulbar2 runs each level until a wall-clock slice
@@ -27,7 +29,7 @@ from collections.abc import Callable
 import numpy as np
 
 from autopar.passes.solver.cfn import build_model, shifted_tables
-from autopar.passes.solver.heuristic import LocalSearch
+from autopar.passes.solver.heuristic import LocalSearch, repair_memory
 from autopar.passes.solver.pool import Request, WorkerPool
 from autopar.passes.solver.problem import INFINITE_COST
 from autopar.passes.solver.reduce import Reduced
@@ -206,19 +208,31 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
     found: dict = {"best": None, "cost": np.inf}
     first_levels = max(levels, first_levels or levels)
     prev: list[np.ndarray | None] = []  # the last round's answers
-    counts = {"penalty_rounds": 0, "penalty_solves": 0, "penalty_feasible": 0}
+    counts = {"penalty_rounds": 0, "penalty_solves": 0, "penalty_feasible": 0,
+              "penalty_repaired": 0}
     base_key = f"penalty-{id(pen)}"
-    pending: list[np.ndarray] = []  # feasible answers waiting for the polish
+    # Answers waiting for the polish: (choice, fits); one over the limit is repaired first.
+    pending: list[tuple[np.ndarray, bool]] = []
 
     def polish(stop: float) -> None:
         while pending:
-            x = pending.pop(0)
-            if found["best"] is not None and time.perf_counter() >= stop:
+            x, fits = pending.pop(0)
+            if not fits:
+                # Worth repairing only if it is cheaper than the best so far before the
+                # repair (which only adds cost) and there is time for it.
+                if time.perf_counter() >= stop or pen.real_cost(x) >= found["cost"]:
+                    continue
+                ls.reset(x)
+                if not repair_memory(ls, stop):
+                    continue
+                counts["penalty_repaired"] += 1
+            elif found["best"] is not None and time.perf_counter() >= stop:
                 cost = pen.real_cost(x)  # no time for the local search
                 if cost < found["cost"]:
                     found["best"], found["cost"] = x, cost
                 continue
-            ls.reset(x)
+            else:
+                ls.reset(x)
             if ls.cost < found["cost"] * (1 + 1e-3):
                 ls.full_descent(stop)
             if ls.cost < found["cost"]:
@@ -275,7 +289,9 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
                 log.append((time.perf_counter(), j, ok, float(over.max()) if len(over) else 0.0))
             if ok:
                 counts["penalty_feasible"] += 1
-                pending.append(x)
+                pending.append((x, True))
+            elif pen.allowed(x):
+                pending.append((x, False))
         pen.update(ws, broken)
     if found["best"] is None:
         polish(hard_deadline)  # the first feasible answer is worth a late polish
