@@ -36,6 +36,9 @@ class LocalSearch:
         self.b = red.rng[:, 1].tolist()
         self.cap = red.cap.astype(np.float64)
         self.mem = [bool(self.b[v] > self.a[v] and red.du[v].max() > 0) for v in range(n)]
+        self.a_arr = np.asarray(self.a, np.int64)
+        self.b_arr = np.asarray(self.b, np.int64)
+        self.mem_arr = np.asarray(self.mem, bool)
         # adj[v]: (w, F, B) with F/B of shape [S_v, S_w]: finite cost / forbidden flag.
         self.adj: list[list] = [[] for _ in range(n)]
         for u, v, r in red.edges:
@@ -70,6 +73,10 @@ class LocalSearch:
         self.nforb = int(sum(self.cb[v][self.s[v]] for v in range(n)))
         self.nforb += int(sum(b[self.s[v], self.s[w]] for v in range(n)
                               for w, _, b in self.adj[v] if v < w))
+
+    def live_at(self, k: int) -> np.ndarray:
+        """The nodes whose usage counts at checkpoint k."""
+        return np.flatnonzero((self.a_arr <= k) & (self.b_arr > k) & self.mem_arr)
 
     def key(self) -> tuple[int, float]:
         return self.nforb, self.cost
@@ -258,9 +265,6 @@ def repair_memory(ls: LocalSearch, deadline: float) -> bool:
     a weight are cheap and slightly over: this turns them into feasible candidates (the
     contest winners' repair step).  Returns whether the answer now fits.
     """
-    a = np.asarray(ls.a)
-    b = np.asarray(ls.b)
-    mem = np.asarray(ls.mem, bool)
     while True:
         over = ls.use - ls.cap
         t = int(np.argmax(over)) if len(over) else 0
@@ -269,7 +273,7 @@ def repair_memory(ls: LocalSearch, deadline: float) -> bool:
         if time.perf_counter() >= deadline:
             return False
         best = (np.inf, -1, -1)
-        for v in np.flatnonzero(mem & (a <= t) & (b > t)).tolist():
+        for v in ls.live_at(t).tolist():
             cur = ls.s[v]
             saved = ls.du[v][cur] - ls.du[v]
             ok = (saved > _EPS) & (ls.forb[v] <= ls.forb[v][cur])

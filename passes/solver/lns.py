@@ -298,7 +298,7 @@ def window_region(ls: LocalSearch, max_cols: int, rand, anchor: int = -1) -> np.
     else:
         tight = np.argpartition(slack, min(16, len(slack) - 1))[:16]
         k = int(tight[int(rand.integers(len(tight)))])
-    live = np.flatnonzero((ls.a_arr <= k) & (ls.b_arr > k) & ls.mem_arr)
+    live = ls.live_at(k)
     live = live[rand.permutation(len(live))].tolist()
     region = []
     seen = set()
@@ -352,9 +352,6 @@ def lns(ls: LocalSearch, deadline: float, max_cols: int = 20000, sub_limit: floa
     tried = improved = changed = stall = 0
     n = ls.n
     done = np.zeros(n, bool)
-    ls.a_arr = np.array(ls.a)
-    ls.b_arr = np.array(ls.b)
-    ls.mem_arr = np.array(ls.mem, bool)
     windows = bool(len(ls.cap)) and ls.mem_arr.any()
     local = None
     it = 0

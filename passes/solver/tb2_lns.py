@@ -95,9 +95,6 @@ def apply_answer(ls: LocalSearch, region: np.ndarray, values: np.ndarray) -> int
 def tb2_lns(ls: LocalSearch, pool: WorkerPool, deadline: float, max_cols: int = 6000,
             backtracks: int = 3000, sub_limit_s: float = 3.0, seed: int = 0) -> dict:
     """Pairs of region re-solves until `deadline`; ls holds the (feasible) answer."""
-    ls.a_arr = np.array(ls.a)
-    ls.b_arr = np.array(ls.b)
-    ls.mem_arr = np.array(ls.mem, bool)
     windows = bool(len(ls.cap)) and bool(ls.mem_arr.any())
     tried = improved = changed = 0
     it = 0
