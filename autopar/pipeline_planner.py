@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from autopar.cost_model import ClusterSpec, Link
-from autopar.cost_model.collectives import send_recv_s
+from autopar.cost_model.collectives import combined_alpha_share, send_recv_s
 from autopar.cost_model.compute import compute_time_s
 from autopar.cost_model.units import format_bytes
 from autopar.graph import Graph
@@ -213,7 +213,8 @@ class StateSplit:
             return whole, math.inf
         state = state_split(spec, shape, mesh)
         split = (update_time_s(nbytes / mesh.shards(state), self.state_bytes_per_param_byte,
-                               self.cluster) + reshard_s(state, spec, nbytes, mesh))
+                               self.cluster)
+                 + gather_after_update_s(state, spec, nbytes, mesh))
         return whole, split
 
     def _chooses_split(self, whole: float, split: float) -> bool:
@@ -231,14 +232,21 @@ class StateSplit:
 
 
 def updates_s(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
-              params: set[int], graph: Graph, split: StateSplit, num_micro_batches: int
-              ) -> float:
-    """Seconds per micro-batch of the parameter updates of a stage under `split`, as the
-    layer ILPs price them (`start_price_stage(update=...)`: per layer reading each)."""
-    return sum(split.cost_s(spec, graph.values[vid].shape, graph.values[vid].nbytes, p.mesh)
-               for p, prog in zip(priced, programs)
-               for vid, spec in zip(prog.inputs, p.input_specs)
-               if vid in params) / num_micro_batches
+              params: set[int], graph: Graph, split: StateSplit, num_micro_batches: int,
+              per_layer: bool = False) -> float:
+    """Seconds per micro-batch of the parameter updates of a stage under `split`: each
+    parameter once, at the layout of its first reader (where `stage_memory_bytes` holds it
+    and the runtime updates it).  With `per_layer`, as the layer ILPs price them
+    (`start_price_stage(update=...)`): once per layer reading it, so a tied embedding read
+    by the first and the last layer is charged twice."""
+    if per_layer:
+        held = [(spec, p.mesh, vid) for p, prog in zip(priced, programs)
+                for vid, spec in zip(prog.inputs, p.input_specs) if vid in params]
+    else:
+        held = [(spec, mesh, vid) for vid, (spec, mesh) in
+                param_layouts(priced, programs, params).items()]
+    return sum(split.cost_s(spec, graph.values[vid].shape, graph.values[vid].nbytes, mesh)
+               for spec, mesh, vid in held) / num_micro_batches
 
 
 # Seconds added to a parameter layout that is not cut as finely as it can be, in a lean
@@ -468,23 +476,27 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             if any(shape not in o for o in options):
                 continue
             priced = [o[shape] for o in options]
-            layers_s = sum(p.cost_s for p in priced) + internal_reshard_s(priced, progs, graph)
             # The layer ILPs priced the updates under the first mode (splitting where it
-            # pays); the other ("all": every state split, for memory) is repriced here.
-            by_mode = {m: sum(layer_updates_s(k, submesh, p, m)
-                              for k, p in zip(range(i, j + 1), priced)) for m in modes}
+            # pays), once per layer reading a parameter: the stage takes theirs off and
+            # prices its own, each parameter once, under each mode ("all": every state
+            # split, for memory).
+            layers_s = (sum(p.cost_s for p in priced) + internal_reshard_s(priced, progs, graph)
+                        - sum(layer_updates_s(k, submesh, p)
+                              for k, p in zip(range(i, j + 1), priced)))
             for m in modes:
-                out.append(_StageEstimate(priced, progs,
-                                          layers_s - by_mode[modes[0]] + by_mode[m], splits[m]))
+                out.append(_StageEstimate(
+                    priced, progs, layers_s + updates_s(priced, progs, params, graph,
+                                                        splits[m], micro), splits[m]))
         return out
 
-    layer_updates: dict[tuple[int, tuple[int, int], tuple[int, ...], str], float] = {}
+    layer_updates: dict[tuple[int, tuple[int, int], tuple[int, ...]], float] = {}
 
-    def layer_updates_s(k: int, submesh: tuple[int, int], p: _Priced, mode: str) -> float:
-        key = (k, submesh, p.mesh.shape, mode)
+    def layer_updates_s(k: int, submesh: tuple[int, int], p: _Priced) -> float:
+        """The updates layer k's ILP charged (under the first mode) on this logical mesh."""
+        key = (k, submesh, p.mesh.shape)
         if key not in layer_updates:
             layer_updates[key] = updates_s([p], [layer_programs[k]], params, graph,
-                                           splits[mode], micro)
+                                           splits[modes[0]], micro, per_layer=True)
         return layer_updates[key]
 
     def fitting(options: list[_StageEstimate], in_flight: int) -> _StageEstimate | None:
@@ -717,6 +729,19 @@ def held_param_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.Stag
     at its state layout (the bytes of parameter the device updates and holds state for)."""
     return sum(graph.values[vid].nbytes / mesh.shards(spec) for vid, (spec, mesh) in
                state_layouts(priced, programs, params, graph, shard_state).items())
+
+
+def gather_after_update_s(state: Spec, spec: Spec, nbytes: float, mesh: MeshContext) -> float:
+    """Seconds of all-gathering a parameter of `nbytes` (whole) updated at its state layout
+    `state` back to its layout `spec`.  The stage's update gathers every such parameter at
+    once, so XLA:GPU combines the gathers (`collectives.combined_alpha_share`, by the mesh's
+    device kind): each pays the bandwidth of its own bytes and its share of a combined op's
+    latency."""
+    if state == spec:
+        return 0.0
+    latency = reshard_s(state, spec, 0.0, mesh)
+    share = combined_alpha_share(nbytes / mesh.shards(spec), mesh.cluster.device_kind)
+    return reshard_s(state, spec, nbytes, mesh) - (1.0 - share) * latency
 
 
 def update_time_s(param_bytes: float, state_bytes_per_param_byte: float,

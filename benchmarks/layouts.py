@@ -40,10 +40,11 @@ from collections.abc import Callable, Sequence
 from autopar import pipeline
 from autopar.cost_model import ClusterSpec
 from autopar.passes.inter_op import equal_ranges
-from autopar.passes.sharding_spec import MeshContext, Spec, replicated
+from autopar.passes.sharding_spec import MeshContext, Spec, replicated, state_split
 from autopar.pipeline_planner import (
     LAYER_TIME_LIMIT_S,
     _Priced,
+    gather_after_update_s,
     price_stage,
     stage_memory_bytes,
     transfer_s,
@@ -212,9 +213,10 @@ class Pricer:
     # -- the step model --------------------------------------------------------------------
 
     def evaluate(self, layout: Layout, stages: Sequence[tuple[tuple[int, int], tuple[int, ...]]]
-                 | None = None) -> Evaluation:
+                 | None = None, held: Sequence[HeldState] | None = None) -> Evaluation:
         """Predicted step of `layout` (uniform stages) or of explicit `stages` ((first, last)
-        layer, logical mesh shape) with the layout's micro-batches and rule."""
+        layer, logical mesh shape) with the layout's micro-batches and rule; `held`, one per
+        stage, prices each stage's update as a plan holds its parameters and state."""
         w = self.workload(layout.micro)
         if stages is None:
             if layout.pp > len(w.layers):
@@ -225,7 +227,8 @@ class Pricer:
         costs = []
         for s, (layers, mesh_shape) in enumerate(stages):
             costs.append(self._stage(w, layout, layers, tuple(mesh_shape),
-                                     in_flight=len(stages) - s))
+                                     in_flight=len(stages) - s,
+                                     held=held[s] if held is not None else None))
         moves, per_step = self._transfers(w, stages)
         costs = [dataclasses.replace(c, per_micro_s=c.per_micro_s + t)
                  for c, t in zip(costs, moves)]
@@ -273,11 +276,12 @@ class Pricer:
         return out, per_step
 
     def _stage(self, w: Workload, layout: Layout, layers: tuple[int, int],
-               mesh_shape: tuple[int, ...], in_flight: int) -> StageCost:
+               mesh_shape: tuple[int, ...], in_flight: int,
+               held: HeldState | None = None) -> StageCost:
         mesh = None
         per_micro = 0.0
         priced, programs = [], []
-        param_dev: dict[int, float] = {}
+        param_spec: dict[int, Spec] = {}
         for layer in range(layers[0], layers[1] + 1):
             p = self.layer(w, layer, mesh_shape, layout.params)
             mesh = p.mesh
@@ -286,19 +290,45 @@ class Pricer:
             programs.append(w.layers[layer])
             for vid, spec in zip(w.layers[layer].inputs, p.input_specs):
                 if vid in w.param_ids:
-                    param_dev.setdefault(vid, w.value_bytes(vid) / mesh.shards(spec))
-        params = sum(param_dev.values())
+                    param_spec.setdefault(vid, spec)
+        params = sum(w.value_bytes(v) / mesh.shards(spec) for v, spec in param_spec.items())
         dp = mesh_shape[0] if layout.zero_state and layout.params != "zero3" else 1
         state = w.state_bytes_per_param_byte * params / dp
         # The planner's count (parameters, gradients, in-flight residuals, one layer's
         # transient), with this layout's optimizer state.
         memory = stage_memory_bytes(priced, programs, set(w.param_ids), w.graph,
                                     layout.micro, in_flight, 0.0) + state
-        update = update_time_s(params / dp, w.state_bytes_per_param_byte, self.cluster)
-        if layout.zero_gather and dp > 1:
-            update += mesh.all_gather_s(params, ("x",))
+        if held is not None:
+            update = self._held_update_s(w, held, mesh)
+        else:
+            update = update_time_s(params / dp, w.state_bytes_per_param_byte, self.cluster)
+            if layout.zero_gather and dp > 1:   # each parameter gathered back, as the planner
+                update += sum(gather_after_update_s(
+                    state_split(spec, w.graph.values[v].shape, mesh), spec, w.value_bytes(v),
+                    mesh) for v, spec in param_spec.items())
         return StageCost(layers, math.prod(mesh_shape), mesh_shape, per_micro, update,
                          memory)
+
+
+    def _held_update_s(self, w: Workload, held: HeldState, mesh: MeshContext) -> float:
+        """Seconds per step of a plan stage's update: each parameter the stage reads updated
+        at its state layout (`StagePlan.state_specs`, else its input spec) and gathered back
+        to its input spec where they differ."""
+        specs, states = held
+        state_bytes = 0.0
+        gathers = 0.0
+        for vid, spec in specs.items():
+            if vid not in w.param_ids:
+                continue
+            state = states.get(vid, spec)
+            state_bytes += w.value_bytes(vid) / mesh.shards(state)
+            gathers += gather_after_update_s(state, spec, w.value_bytes(vid), mesh)
+        return update_time_s(state_bytes, w.state_bytes_per_param_byte, self.cluster) + gathers
+
+
+# (value id -> input spec, value id -> state spec) of one plan stage (`StagePlan.input_specs`,
+# `StagePlan.state_specs`).
+HeldState = tuple[dict[int, Spec], dict[int, Spec]]
 
 
 # ----------------------------------------------------------------------------- strategies

@@ -100,7 +100,10 @@ def _autopar(pricer: Pricer, step, args, cluster: ClusterSpec, method,
         raise RuntimeError(f"{pricer.model}: autopar layered F into {plan.solver.get('layers')} "
                            f"layers, the suite's workload into {len(w.layers)}")
     stages = [(st.layers, st.mesh_shape) for st in plan.stages]
-    ev = pricer.evaluate(Layout("autopar", 0, 0, len(stages), micro, "auto"), stages)
+    # The update as the plan does it: its parameters and optimizer state where the plan
+    # holds them (ZeRO-2 splits included, with their all-gathers back).
+    held = [(dict(st.input_specs), dict(st.state_specs)) for st in plan.stages]
+    ev = pricer.evaluate(Layout("autopar", 0, 0, len(stages), micro, "auto"), stages, held)
     # The step model re-solves each stage's layers with the optimizer state whole; the
     # plan's own stages (the same `stage_memory_bytes`) hold the state as the plan splits it
     # and its layers as solved (memory-lean where the fast ones did not fit): the memory is

@@ -159,6 +159,34 @@ def test_zero_state_is_split_over_dp(toy_pricer):
     assert z2.step_s > dp.step_s  # the parameter all-gather after the update
 
 
+def test_a_plans_update_is_priced_as_it_holds_its_state(toy_pricer):
+    """The suite prices autopar's update from the plan's own parameter and state layouts:
+    every state split over dp costs what ZeRO-2 costs (update of 1/dp, each parameter
+    gathered back, the gathers' latency shared as XLA:GPU combines them), none split what
+    data parallelism costs."""
+    from autopar.passes.sharding_spec import state_split
+
+    w = toy_pricer.workload(2)
+    stages = [((0, len(w.layers) - 1), (4, 1))]
+    z2 = toy_pricer.evaluate(layouts.Layout("zero2", 4, 1, 1, 2, "replicated",
+                                            zero_state=True, zero_gather=True), stages)
+    dp = toy_pricer.evaluate(layouts.Layout("dp", 4, 1, 1, 2, "replicated"), stages)
+    specs = {}
+    for k in range(len(w.layers)):
+        p = toy_pricer.layer(w, k, (4, 1), "replicated")
+        for vid, spec in zip(w.layers[k].inputs, p.input_specs):
+            if vid in w.param_ids:
+                specs.setdefault(vid, spec)
+    mesh = toy_pricer.layer(w, 0, (4, 1), "replicated").mesh
+    split = {v: state_split(spec, w.graph.values[v].shape, mesh) for v, spec in specs.items()}
+    auto = layouts.Layout("autopar", 0, 0, 1, 2, "replicated")
+    held_z2 = toy_pricer.evaluate(auto, stages, held=[(specs, split)])
+    held_dp = toy_pricer.evaluate(auto, stages, held=[(specs, {})])
+    assert held_z2.stages[0].update_s == pytest.approx(z2.stages[0].update_s, rel=1e-9)
+    assert held_dp.stages[0].update_s == pytest.approx(dp.stages[0].update_s, rel=1e-9)
+    assert z2.stages[0].update_s > dp.stages[0].update_s
+
+
 def test_suite_writes_markdown_json_and_chart(tmp_path, monkeypatch):
     monkeypatch.setitem(suite.SUITES, "tiny", (16, [(1, "gpt-toy"), (2, "gpt-toy")]))
     result = suite.run("tiny", "8xA100-80GB", out_dir=tmp_path)

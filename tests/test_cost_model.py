@@ -242,6 +242,31 @@ def test_all_to_all_total_traffic_monotone(nbytes, n, dn):
 # --- compute ----------------------------------------------------------------------------------
 
 
+def test_combined_collectives_share_one_latency_on_gpus_not_on_cpu():
+    """XLA:GPU combines independent collectives into ops of up to 30 MiB, so a small one
+    pays its share of one α and a large one a whole α; XLA:CPU runs each alone."""
+    mib = 2**20
+    share = collectives.combined_alpha_share
+    assert share(3 * mib, "V100-16GB") == pytest.approx(0.1)
+    assert share(30 * mib, "H100-80GB") == 1.0 == share(300 * mib, "H100-80GB")
+    assert share(0.0, "A100-80GB") == 0.0
+    assert share(3 * mib, "cpu") == 1.0 == share(0.0, "cpu")
+    from autopar.passes.sharding_spec import MeshContext, reshard_s
+    from autopar.pipeline_planner import gather_after_update_s
+
+    alpha, small = 5e-6, 3 * mib
+    gpu = dataclasses.replace(ClusterSpec.preset("8xV100-16GB"), intra_host=Link(alpha, 1e-11))
+    cpu = dataclasses.replace(gpu, device_kind="cpu")
+    state, spec = (("x",), ()), ((), ())
+    on_cpu = MeshContext.build((4,), cpu)
+    on_gpu = MeshContext.build((4,), gpu)
+    assert gather_after_update_s(state, spec, small, on_cpu) == reshard_s(
+        state, spec, small, on_cpu)
+    assert gather_after_update_s(state, spec, small, on_gpu) == pytest.approx(
+        reshard_s(state, spec, small, on_gpu) - 0.9 * alpha)
+    assert gather_after_update_s(spec, spec, small, on_gpu) == 0.0
+
+
 def test_roofline_compute_bound():
     spec = ClusterSpec.preset("8xA100-80GB")
     flops, nbytes = 2 * 4096**3, 3 * 4096**2 * 2  # bf16 matmul

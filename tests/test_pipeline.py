@@ -153,3 +153,32 @@ def test_state_larger_than_all_devices_fails_before_searching():
         autopar.plan(step, *args, cluster="8x8xV100-16GB",
                      method=autopar.PipeshardParallel(num_micro_batches=1024))
     assert time.perf_counter() - t0 < 120
+
+
+def test_a_parameter_read_by_several_layers_is_updated_once_per_stage():
+    """A tied embedding is read by the first layer (lookup) and the last (logits); each
+    layer's ILP charges its update, but the stage updates it once, at its first reader's
+    layout (where the stage's memory holds it): the stage estimate counts it once."""
+    from types import SimpleNamespace
+
+    from autopar.cost_model import ClusterSpec
+    from autopar.passes.sharding_spec import MeshContext
+    from autopar.pipeline_planner import StateSplit, updates_s
+
+    cluster = ClusterSpec.preset("8xV100-16GB").with_devices(1, 4)
+    mesh = MeshContext.build((4,), cluster)
+    embed, other = 0, 1
+    graph = SimpleNamespace(values={embed: SimpleNamespace(shape=(1024, 64), nbytes=2**18),
+                                    other: SimpleNamespace(shape=(64, 64), nbytes=2**14)})
+    first = SimpleNamespace(mesh=mesh, input_specs=(((), ()),))
+    last = SimpleNamespace(mesh=mesh, input_specs=(((), ()), ((), ())))
+    progs = [SimpleNamespace(inputs=(embed,)), SimpleNamespace(inputs=(embed, other))]
+    for mode in ("none", "all"):
+        split = StateSplit(mode, 2.0, cluster)
+        one = {v: split.cost_s(((), ()), graph.values[v].shape, graph.values[v].nbytes, mesh)
+               for v in (embed, other)}
+        stage = updates_s([first, last], progs, {embed, other}, graph, split, 2)
+        per_layer = updates_s([first, last], progs, {embed, other}, graph, split, 2,
+                              per_layer=True)
+        assert stage == pytest.approx((one[embed] + one[other]) / 2)
+        assert per_layer == pytest.approx((2 * one[embed] + one[other]) / 2)
