@@ -12,7 +12,8 @@ middle of the ladder (`explore`):
 - bubble and per-micro-batch overheads: the predicted step time Σ t_i + (B − 1)·max t_i
   falls with B while the pipeline bubble shrinks and rises once per-micro-batch costs
   (latencies, small kernels) dominate, so the search walks downhill from the start and
-  stops in a direction at the first count that is slower than its neighbour.
+  stops in a direction at the first count that is slower than its neighbour, after looking
+  one count further towards more micro-batches (memory: below).
 
 The chosen plan records every try in `Plan.solver["micro_batch_tries"]` (count, predicted
 step seconds or why it failed, search seconds); `autopar.report` shows them.
@@ -118,7 +119,18 @@ def explore(counts: Sequence[int], evaluate: Callable[[int], float | None],
                 elif vj < best_v:
                     best_j, best_v = j, vj
         if best_j == k:
-            return k
+            # Memory makes the step time bumpy in the count: where a count's stages only
+            # fit with memory-saving layouts (optimizer state split and gathered back over a
+            # slow link, parameters cut finely), the next count up can be a little slower
+            # and the one after it, whose smaller micro-batches fit without them, faster.
+            # One more count up before stopping.
+            j = k + 2
+            if not (j < len(counts) and j not in seen and seen.get(k + 1) is not None):
+                return k
+            vj = value(j)
+            if vj is None or vj >= best_v:
+                return k
+            best_j = j
         k = best_j
 
 
