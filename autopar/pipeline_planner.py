@@ -20,6 +20,7 @@ activations and sending their cotangents back.  The plan records every layer's s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -512,7 +513,17 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         return (fitting(stage_options(i, j, submesh), in_flight)
                 or fitting(stage_options(i, j, submesh, lean=True), in_flight))
 
+    range_costs: dict[tuple[int, int, tuple[int, int]], float | None] = {}
+
     def range_cost(i: int, j: int, submesh: tuple[int, int]) -> float | None:
+        """Seconds per micro-batch of layers i..j as one stage on `submesh` (the stage DP's
+        cost; asked again by the DPs over one sub-mesh shape)."""
+        key = (i, j, submesh)
+        if key not in range_costs:
+            range_costs[key] = _range_cost(i, j, submesh)
+        return range_costs[key]
+
+    def _range_cost(i: int, j: int, submesh: tuple[int, int]) -> float | None:
         # The stage's position is not known here: assume as many stages in flight as
         # stages of this size would fill the devices, and its inputs arriving over the
         # slowest link of the cluster.
@@ -529,6 +540,11 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
 
     activations = {o for e in graph.eqns for o in e.outputs}
     received: dict[tuple[int, int], list[int]] = {}
+    assemble = functools.partial(
+        _assemble, hosts=hosts, per_host=per_host, device_ids=device_ids, ranges=ranges,
+        graph=graph, diff=diff, params=params, micro=micro,
+        state_bytes_per_param_byte=state_bytes_per_param_byte, cluster=cluster,
+        fitting_stage=fitting_stage, stage_options=stage_options)
     t_phase = time.perf_counter()
     try:
         # Every layer is priced on every sub-mesh in play: build all the ILPs up front so the
@@ -538,30 +554,76 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             for layer in range(lay.num_layers):
                 start_layer(layer, submesh)
         phases["layer ILP builds"] = time.perf_counter() - t_phase
+        choices: list[list[tuple[tuple[int, int], tuple[int, int]]]] = []
         if layout.equal_layers:
             bounds = inter_op.equal_ranges(lay.num_layers, len(layout.submesh_shapes))
-            choice = list(zip(bounds, layout.submesh_shapes))
+            choices.append(list(zip(bounds, layout.submesh_shapes)))
         elif layout.submesh_shapes is not None:
-            choice = _best_split(lay.num_layers, list(layout.submesh_shapes), range_cost, micro)
+            choices.append(_best_split(lay.num_layers, list(layout.submesh_shapes), range_cost,
+                                       micro))
             phases["layer ILPs + stage split"] = time.perf_counter() - t_phase
         else:
             submeshes = inter_op.submesh_shapes(hosts, per_host)
             result = inter_op.run(lay.num_layers, submeshes,
                                   lambda i, j, s: range_cost(i, j, submeshes[s]), num_devices=n,
                                   num_micro_batches=micro, num_stages=layout.num_stages)
-            choice = [(st.layers, st.submesh) for st in result.stages]
+            choices.append([(st.layers, st.submesh) for st in result.stages])
             # inter_op fills its cost table (the layer ILPs) before the DP proper.
             phases["layer ILPs"] = result.stats["cost_s"]
-            phases["stage DP"] = result.stats["seconds"] - result.stats["cost_s"]
+            t_phase = time.perf_counter()
+            # The DP prices a stage's received activations as if sent by a stage of its own
+            # size (the sender is not known there) and leaves out the per-step moves of
+            # values several stages read; the assembly prices both exactly.  Where stage
+            # sizes differ, the DP's choice can assemble slower than a pipeline of equal
+            # sub-meshes, whose transfers the DP priced exactly: each such pipeline (the
+            # DP restricted to one sub-mesh shape; the hand-written 3-D plans are of this
+            # kind) is assembled too and the fastest kept.
+            for submesh in submeshes:
+                if submesh[0] * submesh[1] == n or n % (submesh[0] * submesh[1]):
+                    continue    # one stage over every device: already a DP candidate
+                try:
+                    uniform = inter_op.run(lay.num_layers, [submesh],
+                                           lambda i, j, s, m=submesh: range_cost(i, j, m),
+                                           num_devices=n, num_micro_batches=micro,
+                                           num_stages=layout.num_stages)
+                except ValueError:
+                    continue
+                choices.append([(st.layers, st.submesh) for st in uniform.stages])
+            phases["stage DP"] = (result.stats["seconds"] - result.stats["cost_s"]
+                                  + time.perf_counter() - t_phase)
     except BaseException:
         pool.close(cancel=True)
         raise
     pool.close()  # waits for solves still queued (their answers are cached)
+    t_phase = time.perf_counter()
+    assembled = [assemble(c) for c in choices]
+    stages, per_step_s, step_s = min(assembled, key=lambda a: a[2])
+    phases["stage assembly"] = time.perf_counter() - t_phase
     if progress:
-        progress(f"stages chosen: {[c[0] for c in choice]}")
+        progress(f"stages chosen: {[st.layers for st in stages]}"
+                 + (f" (fastest of {len(choices)} assembled)" if len(choices) > 1 else ""))
+    compute = sum(st.predicted_s - st.transfer_s for st in stages)
+    return Plan(
+        fingerprint=fp, method=method.name, cluster=cluster.name, mesh_shape=(n,),
+        mesh_axes=("x",), device_ids=tuple(device_ids), input_names=tuple(input_names),
+        in_specs=tuple(((),) * len(s) for s in in_shapes),
+        out_specs=tuple(((),) * len(s) for s in out_shapes), value_specs=(),
+        predicted=PredictedCost(step_s, compute, step_s - compute,
+                                max(st.memory_bytes for st in stages), graph.total_flops() * 3),
+        solver={"layers": lay.num_layers, "layering": lay.source,
+                "layer_solves": len(layer_cache), "search_s": time.perf_counter() - t0,
+                "phases_s": phases, "per_step_transfer_s": per_step_s,
+                "stage_candidates": len(choices)},
+        stages=tuple(stages), num_micro_batches=micro, schedule=method.schedule)
+
+
+def _assemble(choice, *, hosts, per_host, device_ids, ranges, graph, diff, params, micro,
+              state_bytes_per_param_byte, cluster, fitting_stage, stage_options
+              ) -> tuple[list[StagePlan], float, float]:
+    """The plan's stages for `choice` ((first, last) layer, sub-mesh shape) per stage, with
+    their transfers priced: (stages, seconds per step of per-step moves, step seconds)."""
     devices = inter_op.assign_devices([s for _, s in choice], hosts, per_host)
     stages: list[StagePlan] = []
-    t_phase = time.perf_counter()
     for (layers, submesh), devs in zip(choice, devices):
         # A stage is its layers' solutions on the cheapest logical mesh that fits; the stage
         # inputs take the specs of the layer reading them first.
@@ -594,21 +656,8 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                     best.priced, best.programs, params, graph, best.zero).items()
                 if vid in wanted and spec != specs.get(vid)))))
     stages, per_step_s = _with_transfers(stages, graph, diff, params, cluster, per_host)
-    phases["stage assembly"] = time.perf_counter() - t_phase
     times = [st.predicted_s for st in stages]
-    step_s = sum(times) + (micro - 1) * max(times) + per_step_s
-    compute = sum(st.predicted_s - st.transfer_s for st in stages)
-    return Plan(
-        fingerprint=fp, method=method.name, cluster=cluster.name, mesh_shape=(n,),
-        mesh_axes=("x",), device_ids=tuple(device_ids), input_names=tuple(input_names),
-        in_specs=tuple(((),) * len(s) for s in in_shapes),
-        out_specs=tuple(((),) * len(s) for s in out_shapes), value_specs=(),
-        predicted=PredictedCost(step_s, compute, step_s - compute,
-                                max(st.memory_bytes for st in stages), graph.total_flops() * 3),
-        solver={"layers": lay.num_layers, "layering": lay.source,
-                "layer_solves": len(layer_cache), "search_s": time.perf_counter() - t0,
-                "phases_s": phases, "per_step_transfer_s": per_step_s},
-        stages=tuple(stages), num_micro_batches=micro, schedule=method.schedule)
+    return stages, per_step_s, sum(times) + (micro - 1) * max(times) + per_step_s
 
 
 @dataclasses.dataclass(frozen=True)
