@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from autopar.graph import Graph, is_float
 from autopar.passes.sharding_spec import Spec
 
-from . import transfer
+from . import ordering, transfer
 from .emit import Constraints, to_pspec
 from .grad_accum import (
     Deferral,
@@ -58,6 +58,9 @@ class _Layer:
     program: LayerProgram
     constraints: Constraints | None
     deferred: DeferredBackward | None
+    # The planned layout of each diff input's cotangent (`fn.diff_ids` order; None where
+    # the plan names none): what `ordering.after` reads the gradients and cotangents as.
+    ct_specs: tuple[Spec | None, ...] = ()
 
 
 class StageError(ValueError):
@@ -184,6 +187,9 @@ class StageRunner:
             if lp is None:
                 out.append(_Layer(prog, None, None))
                 continue
+            specs = dict(lp.value_specs)
+            ct_specs = tuple(specs.get(op) if isinstance(op, int) else None
+                             for op in prog.fb.outvars[prog.num_outs:])
             if len(prog.fb.values) != lp.num_values:
                 raise StageError(
                     f"stage layer {k} (equations {rng[0]}-{rng[1]}): the plan's solution is "
@@ -203,7 +209,7 @@ class StageRunner:
                                      {(e, j): s for e, j, s in lp.operand_specs})
             out.append(_Layer(prog, constraints,
                               DeferredBackward(prog.fb, deferral, self.mesh) if deferral
-                              else None))
+                              else None, ct_specs))
         return out
 
     def _residual_refs(self) -> tuple[Ref, ...]:
@@ -359,6 +365,8 @@ class StageRunner:
             if layer.deferred is not None:
                 hooks["override"] = layer.deferred
             in_cts = lp.run_backward(residuals, out_cts, **hooks)
+            if k > 0:
+                in_cts = self._after_grads(layer, in_cts)
             for v, g in zip(lp.fn.diff_ids, in_cts):
                 if v in ct:
                     ct[v] = as_grad_sum(ct[v]) + as_grad_sum(g)
@@ -373,6 +381,26 @@ class StageRunner:
             {(): jnp.zeros(self.graph.values[v].shape, self.graph.values[v].dtype)})
                  for v in self.param_ids}
         return act_cts, grads
+
+    def _after_grads(self, layer: _Layer, in_cts: list[Any]) -> list[Any]:
+        """A layer's input cotangents made to depend on its parameters' gradients, so
+        that XLA computes each layer's gradients before the next layer's backward starts
+        (see `autopar.ordering`: without it XLA:CPU holds every layer's activations to the
+        end of the backward)."""
+        specs = layer.ct_specs or (None,) * len(in_cts)
+        targets, sources, where = [], [], []
+        for i, (v, g, spec) in enumerate(zip(layer.program.fn.diff_ids, in_cts, specs)):
+            if v in self.param_ids:
+                for axes, x in as_grad_sum(g).parts.items():
+                    sources.append((x, stacked_spec(spec, axes) if axes and spec is not None
+                                    else spec))
+            elif not isinstance(g, GradSum):
+                targets.append((g, spec))
+                where.append(i)
+        out = list(in_cts)
+        for i, x in zip(where, ordering.after(targets, sources, self.mesh)):
+            out[i] = x
+        return out
 
     def _backward(self, static, kept, saved, cts, acc):
         """One micro-batch's backward; `acc` = (gradient parts per parameter, running sums
