@@ -67,6 +67,13 @@ def _strip(spec: Spec, axes: Sequence[str]) -> Spec:
     return tuple(tuple(a for a in dim if a not in axes) for dim in spec)
 
 
+def unreduced_spec(spec: Spec, axes: Sequence[str]) -> Spec:
+    """How each device's partial sum of a gradient laid out as `spec` and kept unreduced
+    over `axes` is cut (`spec` without `axes`): the accumulator holds one such partial sum
+    per device, `nbytes / shards(unreduced_spec(spec, axes))` bytes."""
+    return _strip(spec, axes)
+
+
 def stacked_spec(spec: Spec, axes: tuple[str, ...]) -> Spec:
     """The layout of partial sums over `axes` of a value laid out as `spec`."""
     return (tuple(axes),) + _strip(spec, axes)
@@ -142,6 +149,23 @@ class Deferral:
 
     def __bool__(self) -> bool:
         return bool(self.contractions)
+
+    def unreduced_axes(self, fb: Graph, grad: int) -> tuple[str, ...]:
+        """The mesh axes the gradient `grad` (a value of `fb`) stays unreduced over: those
+        of the deferred contractions it is a linear image of."""
+        axes: list[str] = []
+        stack, seen = [grad], set()
+        while stack:
+            vid = stack.pop()
+            if vid in seen:
+                continue
+            seen.add(vid)
+            k = fb.values[vid].producer
+            if k in self.contractions:
+                axes += [a for a in self.contractions[k][0] if a not in axes]
+            elif k in self.linear:
+                stack.extend(op for op in fb.eqns[k].inputs if isinstance(op, int))
+        return tuple(axes)
 
 
 class DeferredBackward:

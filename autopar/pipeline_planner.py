@@ -41,6 +41,7 @@ from autopar.passes.sharding_spec import (
 )
 
 from . import pipeline
+from .grad_accum import Deferral, unreduced_spec
 from .layer import LayerProgram, differentiable_values
 from .methods import PipelineMethod
 from .plan import LayerPlan, Plan, PredictedCost, StagePlan
@@ -79,6 +80,11 @@ class _Priced:
     value_specs: tuple[tuple[int, Spec], ...] = ()
     operand_specs: tuple[tuple[int, int, Spec], ...] = ()
     num_values: int = 0
+    # Per input (aligned with `input_specs`), bytes per device of a parameter's gradient
+    # accumulator as the runtime keeps it (`grad_accum`: unreduced over the axes of the
+    # contraction that produces it, so a gradient laid out split over the data-parallel
+    # axes is accumulated whole); None for other inputs.
+    accumulator_bytes: tuple[float | None, ...] = ()
 
 
 def diff_values(split: pipeline.SplitStep, graph: Graph) -> set[int]:
@@ -283,6 +289,18 @@ def _priced(graph: Graph, program: pipeline.StageProgram, layer: LayerProgram,
     cts_out = dict(zip(fn.diff_ids, fb.outvars[layer.num_outs:]))
     cts_in = dict(zip(fn.float_outs, fb.invars[len(f_ids):]))
     spec_of = lambda op: vs.get(op) if isinstance(op, int) else None
+    params = set(graph.invars) & set(fn.diff_ids)
+    grads = {vid: op for vid, op in cts_out.items()
+             if vid in params and isinstance(op, int) and op in vs}
+    deferral = Deferral.find(fb, layer.backward_eqns, list(grads.values()), vs,
+                             {(e, j): s for e, j, s in res.operand_specs})
+
+    def accumulator(vid: int) -> float | None:
+        if vid not in grads:
+            return None
+        axes = deferral.unreduced_axes(fb, grads[vid]) if deferral else ()
+        return graph.values[vid].nbytes / mesh.shards(unreduced_spec(vs[grads[vid]], axes))
+
     return _Priced(
         res.cost_s, res.memory_bytes, mesh, specs,
         _residual_bytes(fb, vs, layer.num_outs, per_micro_inputs, mesh),
@@ -293,7 +311,8 @@ def _priced(graph: Graph, program: pipeline.StageProgram, layer: LayerProgram,
         ct_in_specs=tuple(spec_of(cts_in[v]) if v in cts_in else None
                           for v in program.outputs),
         value_specs=tuple(sorted(vs.items())), operand_specs=res.operand_specs,
-        num_values=len(fb.values))
+        num_values=len(fb.values),
+        accumulator_bytes=tuple(accumulator(vid) for vid in program.inputs))
 
 
 def _residual_bytes(fb: Graph, specs, num_primal_outs: int, kept_inputs: set[int],
@@ -811,7 +830,9 @@ def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.St
 
     * the parameters, each once, at the layout of its first reader;
     * the gradient accumulators, one per parameter at the layout its first reader's
-      backward gives it (gradients are added in place, as Megatron-LM's main_grad);
+      backward gives it, unreduced over the data-parallel axes as the runtime keeps them
+      (`_Priced.accumulator_bytes`; gradients are added in place, as Megatron-LM's
+      main_grad);
     * the optimizer state (split over the data-parallel axes with `shard_state`);
     * the residuals of every micro-batch in flight (the schedule's `in_flight`, at most
       `micro`);
@@ -825,8 +846,9 @@ def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.St
     transient = 0.0
     for p, prog in zip(priced, programs):
         own = 0.0
-        for vid, spec, ct in zip(prog.inputs, p.input_specs, p.ct_out_specs or
-                                 (None,) * len(prog.inputs)):
+        acc = p.accumulator_bytes or (None,) * len(prog.inputs)
+        for vid, spec, ct, a in zip(prog.inputs, p.input_specs, p.ct_out_specs or
+                                    (None,) * len(prog.inputs), acc):
             if vid not in params:
                 continue
             nbytes = graph.values[vid].nbytes
@@ -834,7 +856,7 @@ def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.St
             if ct is not None:
                 g = nbytes / p.mesh.shards(ct)
                 own += g
-                grads.setdefault(vid, g)
+                grads.setdefault(vid, g if a is None else a)
         transient = max(transient, p.memory_bytes - own - p.residual_bytes)
     residuals = sum(p.residual_bytes for p in priced)
     return (held + sum(grads.values()) + state_bytes_per_param_byte * state

@@ -59,7 +59,7 @@ class _Layer:
     constraints: Constraints | None
     deferred: DeferredBackward | None
     # The planned layout of each diff input's cotangent (`fn.diff_ids` order; None where
-    # the plan names none): what `ordering.after` reads the gradients and cotangents as.
+    # the plan names none).
     ct_specs: tuple[Spec | None, ...] = ()
 
 
@@ -334,8 +334,14 @@ class StageRunner:
         return [env[v] for v in self.float_outs], [env[v] for v in self.int_outs], saved
 
     def _backward_sums(self, static: Sequence[Any], kept: Sequence[Any], saved: Sequence[Any],
-                       cts: Sequence[Any]) -> tuple[list[Any], dict[int, GradSum]]:
-        """(cotangents of the received activations, gradient sum per parameter)."""
+                       cts: Sequence[Any],
+                       acc: Sequence[Mapping[tuple[str, ...], Any]] | None = None,
+                       ) -> tuple[list[Any], dict[int, GradSum]]:
+        """(cotangents of the received activations, gradient sum per parameter).  With
+        `acc` (the accumulators' parts per parameter) each layer's gradients are added to
+        them as the layer's backward produces them, and the sums include `acc`."""
+        totals = None if acc is None else {v: dict(parts) for v, parts in
+                                           zip(self.param_ids, acc)}
         by_ref = dict(zip(self.saved_refs, saved))
         by_ref.update(((-1, v), x) for v, x in zip(self.static_ids, static))
         by_ref.update(((-1, v), x) for v, x in zip(self.kept_micro, kept))
@@ -365,9 +371,11 @@ class StageRunner:
             if layer.deferred is not None:
                 hooks["override"] = layer.deferred
             in_cts = lp.run_backward(residuals, out_cts, **hooks)
-            if k > 0:
-                in_cts = self._after_grads(layer, in_cts)
+            if totals is not None:
+                in_cts = self._accumulate(layer, in_cts, totals, tie=k > 0)
             for v, g in zip(lp.fn.diff_ids, in_cts):
+                if g is None:    # added to its accumulator
+                    continue
                 if v in ct:
                     ct[v] = as_grad_sum(ct[v]) + as_grad_sum(g)
                 else:
@@ -377,28 +385,37 @@ class StageRunner:
         act_cts = [x if x is not None else jnp.zeros(self.graph.values[v].shape,
                                                      self.graph.values[v].dtype)
                    for x, v in zip(act_cts, self.act_ct_ids)]
+        if totals is not None:
+            return act_cts, {v: GradSum(totals[v]) for v in self.param_ids}
         grads = {v: as_grad_sum(ct[v]) if v in ct else GradSum(
             {(): jnp.zeros(self.graph.values[v].shape, self.graph.values[v].dtype)})
                  for v in self.param_ids}
         return act_cts, grads
 
-    def _after_grads(self, layer: _Layer, in_cts: list[Any]) -> list[Any]:
-        """A layer's input cotangents made to depend on its parameters' gradients, so
-        that XLA computes each layer's gradients before the next layer's backward starts
-        (see `autopar.ordering`: without it XLA:CPU holds every layer's activations to the
-        end of the backward)."""
-        specs = layer.ct_specs or (None,) * len(in_cts)
-        targets, sources, where = [], [], []
-        for i, (v, g, spec) in enumerate(zip(layer.program.fn.diff_ids, in_cts, specs)):
-            if v in self.param_ids:
-                for axes, x in as_grad_sum(g).parts.items():
-                    sources.append((x, stacked_spec(spec, axes) if axes and spec is not None
-                                    else spec))
-            elif not isinstance(g, GradSum):
-                targets.append((g, spec))
-                where.append(i)
+    def _accumulate(self, layer: _Layer, in_cts: list[Any],
+                    totals: dict[int, dict[tuple[str, ...], Any]], tie: bool) -> list[Any]:
+        """Adds a layer's parameter gradients (from `in_cts`) to `totals` in place, and
+        returns `in_cts` with those entries None.  With `tie`, the layer's other input
+        cotangents are made to depend on the updated sums (`autopar.ordering`), so that
+        XLA adds each layer's gradients into the accumulators before the next layer's
+        backward starts: otherwise XLA:CPU computes the whole cotangent chain first and
+        holds every layer's activations, and every layer's gradient beside its
+        accumulator, to the end of the backward."""
         out = list(in_cts)
-        for i, x in zip(where, ordering.after(targets, sources, self.mesh)):
+        sources, targets, where = [], [], []
+        ct_specs = layer.ct_specs or (None,) * len(in_cts)
+        for i, (v, g) in enumerate(zip(layer.program.fn.diff_ids, in_cts)):
+            if v in totals:
+                spec = self._grad_specs[v]
+                for axes, x in as_grad_sum(g).parts.items():
+                    totals[v][axes] = totals[v][axes] + x
+                    sources.append((totals[v][axes],
+                                    stacked_spec(spec, axes) if axes else spec))
+                out[i] = None
+            elif tie and not isinstance(g, GradSum):
+                targets.append((g, ct_specs[i]))
+                where.append(i)
+        for i, x in zip(where, ordering.after(targets, sources, self.mesh) if tie else ()):
             out[i] = x
         return out
 
@@ -408,11 +425,8 @@ class StageRunner:
         grad_acc, out_acc = acc
         f_values = saved[len(saved) - len(self.f_out_ids):]
         saved = saved[:len(saved) - len(self.f_out_ids)]
-        act_cts, grads = self._backward_sums(static, kept, saved, cts)
-        new_grads = []
-        for v, parts in zip(self.param_ids, grad_acc):
-            g = grads[v].parts
-            new_grads.append({axes: parts[axes] + g[axes] for axes in parts})
+        act_cts, grads = self._backward_sums(static, kept, saved, cts, grad_acc)
+        new_grads = [dict(grads[v].parts) for v in self.param_ids]
         new_outs = [total + x if is_float(x.dtype) else x for total, x in zip(out_acc, f_values)]
         return act_cts, (new_grads, new_outs)
 
@@ -456,6 +470,12 @@ class StageRunner:
         def one(m, static, batch, acc):
             micro = [jax.lax.with_sharding_constraint(micro_slice(x, n, m), sh)
                      for x, sh in zip(batch, micro_sh)]
+            # The static inputs made to depend on the micro-batch: loop-invariant, XLA
+            # would hoist their all-gathers and casts out of the loop and hold every
+            # layer's gathered (or cast) weights through the whole step.
+            static = ordering.after(
+                [(x, self.input_specs[v]) for v, x in zip(self.static_ids, static)],
+                [(x, self.input_specs[v]) for v, x in zip(self.micro_ids, micro)], self.mesh)
             _, _, saved = self._forward(static, micro)
             kept = [micro[k] for k in self.kept_positions]
             _, acc = self._backward(static, kept, saved, [], acc)

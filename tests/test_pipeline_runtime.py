@@ -333,7 +333,9 @@ def test_optimizer_state_split_where_it_pays_or_memory_needs_it():
     plan_off = off.get_plan(state, batch)
     assert not plan_off.stages[0].state_specs
     assert not step(True).get_plan(state, batch).stages[0].state_specs
-    budget = plan_off.predicted.memory_bytes * 0.999
+    # (At 0.999 of it, another unsplit layout fits: the planner counts each gradient
+    # accumulator unreduced over the data-parallel axes, as the runtime keeps it.)
+    budget = plan_off.predicted.memory_bytes * 0.9
     tight = step(True, budget)
     plan = tight.get_plan(state, batch)
     assert plan.stages[0].state_specs
