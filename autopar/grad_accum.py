@@ -121,22 +121,15 @@ class Deferral:
         """Walks back from the parameter gradients `grad_outs` (value ids of `fb`) through
         linear equations of `eqns` to the contractions that produce them."""
         inside = set(eqns)
+        is_linear = lambda k: k in inside and (fb.eqns[k].name in _LINEAR_UNARY
+                                               or fb.eqns[k].name in _LINEAR_SUM)
         contractions: dict[int, tuple[tuple[str, ...], tuple[Spec, ...]]] = {}
         linear: set[int] = set()
-        stack, seen = [v for v in grad_outs if isinstance(v, int)], set()
-        while stack:
-            vid = stack.pop()
-            if vid in seen:
-                continue
-            seen.add(vid)
-            k = fb.values[vid].producer
-            if k is None or k not in inside:
-                continue
+        for k in fb.producers_back(grad_outs, is_linear):
             eqn = fb.eqns[k]
-            if eqn.name in _LINEAR_UNARY or eqn.name in _LINEAR_SUM:
+            if is_linear(k):
                 linear.add(k)
-                stack.extend(op for op in eqn.inputs if isinstance(op, int))
-            elif eqn.name in _CONTRACTIONS:
+            elif k in inside and eqn.name in _CONTRACTIONS:
                 reads = tuple(operand_specs.get((k, j), value_specs.get(op))
                               if isinstance(op, int) else None
                               for j, op in enumerate(eqn.inputs))
@@ -154,17 +147,9 @@ class Deferral:
         """The mesh axes the gradient `grad` (a value of `fb`) stays unreduced over: those
         of the deferred contractions it is a linear image of."""
         axes: list[str] = []
-        stack, seen = [grad], set()
-        while stack:
-            vid = stack.pop()
-            if vid in seen:
-                continue
-            seen.add(vid)
-            k = fb.values[vid].producer
+        for k in fb.producers_back([grad], lambda k: k in self.linear):
             if k in self.contractions:
                 axes += [a for a in self.contractions[k][0] if a not in axes]
-            elif k in self.linear:
-                stack.extend(op for op in fb.eqns[k].inputs if isinstance(op, int))
         return tuple(axes)
 
 

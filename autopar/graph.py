@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -368,6 +368,25 @@ class Graph:
             if tied:
                 env.update(zip(tied, jax.lax.optimization_barrier([env[v] for v in tied])))
             yield i, self.eqns[i]
+
+    def producers_back(self, starts: Iterable[Operand], follow: Callable[[int], bool]
+                       ) -> Iterator[int]:
+        """Indices of the equations producing `starts` and, walking back through every
+        equation `follow(index)` accepts, its operands' producers: each once, nearest
+        first along each path (literals, inputs and constants end a path)."""
+        stack = [op for op in starts if isinstance(op, int)]
+        seen: set[int] = set()
+        while stack:
+            vid = stack.pop()
+            if vid in seen:
+                continue
+            seen.add(vid)
+            k = self.values[vid].producer
+            if k is None:
+                continue
+            yield k
+            if follow(k):
+                stack.extend(op for op in self.eqns[k].inputs if isinstance(op, int))
 
     def read(self, op: Operand, env: dict[int, Any]) -> Any:
         """The value of an operand: a literal, a constant, or `env[id]`."""

@@ -339,23 +339,9 @@ _LAYOUT_ONLY = frozenset({"convert_element_type", "reshape", "transpose", "copy"
 def _gradient_matmuls(fb: Graph, grads: Sequence[int]) -> set[int]:
     """Indices of the matmuls/convolutions producing the parameter gradients `grads`,
     found by walking back through layout-only equations and sums of gradients."""
-    out: set[int] = set()
-    stack = list(grads)
-    seen: set[int] = set()
-    while stack:
-        vid = stack.pop()
-        if vid in seen:
-            continue
-        seen.add(vid)
-        k = fb.values[vid].producer
-        if k is None:
-            continue
-        e = fb.eqns[k]
-        if e.name in ("dot_general", "conv_general_dilated"):
-            out.add(k)
-        elif e.name in _LAYOUT_ONLY or e.name in ("add", "add_any"):
-            stack.extend(op for op in e.inputs if isinstance(op, int))
-    return out
+    through = lambda k: fb.eqns[k].name in _LAYOUT_ONLY or fb.eqns[k].name in ("add", "add_any")
+    return {k for k in fb.producers_back(grads, through)
+            if fb.eqns[k].name in ("dot_general", "conv_general_dilated")}
 
 
 def _cheapest(options: dict[tuple[int, ...], _Priced]) -> _Priced:
