@@ -505,18 +505,20 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                                            splits[modes[0]], micro, per_layer=True)
         return layer_updates[key]
 
-    def fitting(options: list[_StageEstimate], in_flight: int) -> _StageEstimate | None:
+    def fitting(options: list[_StageEstimate], in_flight: int, whole: bool
+                ) -> _StageEstimate | None:
         ok = [o for o in options if stage_memory_bytes(
             o.priced, o.programs, params, graph, micro, in_flight,
-            state_bytes_per_param_byte, o.zero) <= budget]
+            state_bytes_per_param_byte, o.zero, whole_step=whole) <= budget]
         return min(ok, key=lambda o: o.cost_s) if ok else None
 
     def fitting_stage(i: int, j: int, submesh: tuple[int, int], in_flight: int
                       ) -> _StageEstimate | None:
         """The fastest time-optimal option of layers i..j that fits, else the fastest
         memory-lean one."""
-        return (fitting(stage_options(i, j, submesh), in_flight)
-                or fitting(stage_options(i, j, submesh, lean=True), in_flight))
+        whole = i == 0 and j == lay.num_layers - 1 and submesh[0] * submesh[1] == n
+        return (fitting(stage_options(i, j, submesh), in_flight, whole)
+                or fitting(stage_options(i, j, submesh, lean=True), in_flight, whole))
 
     range_costs: dict[tuple[int, int, tuple[int, int]], float | None] = {}
 
@@ -655,7 +657,8 @@ def _assemble(choice, *, hosts, per_host, device_ids, ranges, graph, diff, param
             mesh_axes=mesh.axes, input_specs=tuple(sorted(specs.items())),
             predicted_s=best.cost_s,
             memory_bytes=stage_memory_bytes(best.priced, best.programs, params, graph, micro,
-                                            in_flight, state_bytes_per_param_byte, best.zero),
+                                            in_flight, state_bytes_per_param_byte, best.zero,
+                                            whole_step=len(choice) == 1),
             layer_plans=layer_plans, state_specs=tuple(sorted(
                 (vid, spec) for vid, (spec, _) in state_layouts(
                     best.priced, best.programs, params, graph, best.zero).items()
@@ -810,7 +813,8 @@ def update_time_s(param_bytes: float, state_bytes_per_param_byte: float,
 def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
                        params: set[int], graph: Graph, micro: int, in_flight: int,
                        state_bytes_per_param_byte: float,
-                       shard_state: bool | StateSplit | None = False) -> float:
+                       shard_state: bool | StateSplit | None = False,
+                       whole_step: bool = False) -> float:
     """Bytes per device of a stage made of these layer solutions at its peak, as the runtime
     holds them (`PipelineCompiled.stage_memory_bytes` measures the same terms):
 
@@ -825,7 +829,10 @@ def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.St
     * the largest transient of one layer's forward+backward: its predicted peak less the
       parameters, gradients and residuals counted above.  Layers run one after the other,
       so their temporaries never coexist (summing the layers' peaks counted each layer's
-      parameters-sized temporaries and attention scores once per layer)."""
+      parameters-sized temporaries and attention scores once per layer);
+    * with `whole_step` (the stage is the whole pipeline, which the runtime runs as one
+      program, `StageRunner.fused_step`): the reduced gradients, at their state layout,
+      which are that program's outputs and so held through the step."""
     held = held_param_bytes(priced, programs, params, graph, False)
     state = held_param_bytes(priced, programs, params, graph, shard_state)
     grads: dict[int, float] = {}
@@ -845,7 +852,7 @@ def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.St
                 grads.setdefault(vid, g if a is None else a)
         transient = max(transient, p.memory_bytes - own - p.residual_bytes)
     residuals = sum(p.residual_bytes for p in priced)
-    return (held + sum(grads.values()) + state_bytes_per_param_byte * state
+    return (held + sum(grads.values()) + (state_bytes_per_param_byte + whole_step) * state
             + min(in_flight, micro) * residuals + transient)
 
 

@@ -295,9 +295,12 @@ class Pricer:
         dp = mesh_shape[0] if layout.zero_state and layout.params != "zero3" else 1
         state = w.state_bytes_per_param_byte * params / dp
         # The planner's count (parameters, gradients, in-flight residuals, one layer's
-        # transient), with this layout's optimizer state.
+        # transient), with this layout's optimizer state; a stage that is the whole
+        # pipeline runs as one program whose outputs, the reduced gradients (at the state
+        # layout), are held through the step.
+        whole = tuple(layers) == (0, len(w.layers) - 1)
         memory = stage_memory_bytes(priced, programs, set(w.param_ids), w.graph,
-                                    layout.micro, in_flight, 0.0) + state
+                                    layout.micro, in_flight, 0.0) + state + whole * params / dp
         if held is not None:
             update = self._held_update_s(w, held, mesh)
         else:
@@ -308,7 +311,6 @@ class Pricer:
                     mesh) for v, spec in param_spec.items())
         return StageCost(layers, math.prod(mesh_shape), mesh_shape, per_micro, update,
                          memory)
-
 
     def _held_update_s(self, w: Workload, held: HeldState, mesh: MeshContext) -> float:
         """Seconds per step of a plan stage's update: each parameter the stage reads updated
