@@ -470,13 +470,18 @@ class StageRunner:
         def one(m, static, batch, acc):
             micro = [jax.lax.with_sharding_constraint(micro_slice(x, n, m), sh)
                      for x, sh in zip(batch, micro_sh)]
-            # The static inputs made to depend on the micro-batch: loop-invariant, XLA
+            # The static inputs made to depend on this micro-batch (loop-invariant, XLA
             # would hoist their all-gathers and casts out of the loop and hold every
-            # layer's gathered (or cast) weights through the whole step.
-            static = ordering.after(
-                [(x, self.input_specs[v]) for v, x in zip(self.static_ids, static)],
-                [(x, self.input_specs[v]) for v, x in zip(self.micro_ids, micro)], self.mesh)
-            _, _, saved = self._forward(static, micro)
+            # layer's gathered or cast weights through the whole step); the backward's
+            # on the forward's last output, so that XLA does not merge the two (one copy
+            # of every weight held from the forward to the backward).
+            pairs = lambda xs: [(x, self.input_specs[v]) for v, x in zip(self.static_ids, xs)]
+            _, _, saved = self._forward(
+                ordering.after(pairs(static), [(x, self.input_specs[v]) for v, x in
+                                               zip(self.micro_ids, micro)], self.mesh), micro)
+            ends = saved[len(saved) - len(self.f_out_ids):]
+            static = ordering.after(pairs(static), [(x, ((),) * x.ndim) for x in ends
+                                                    if x.size == 1], self.mesh)
             kept = [micro[k] for k in self.kept_positions]
             _, acc = self._backward(static, kept, saved, [], acc)
             return jax.lax.with_sharding_constraint(acc, acc_sh)
