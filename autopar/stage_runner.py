@@ -61,6 +61,8 @@ class _Layer:
     # The planned layout of each diff input's cotangent (`fn.diff_ids` order; None where
     # the plan names none).
     ct_specs: tuple[Spec | None, ...] = ()
+    # The plan's layout of each value of the layer's forward+backward program.
+    specs: Mapping[int, Spec] = dataclasses.field(default_factory=dict)
 
 
 class StageError(ValueError):
@@ -209,7 +211,7 @@ class StageRunner:
                                      {(e, j): s for e, j, s in lp.operand_specs})
             out.append(_Layer(prog, constraints,
                               DeferredBackward(prog.fb, deferral, self.mesh) if deferral
-                              else None, ct_specs))
+                              else None, ct_specs, specs))
         return out
 
     def _residual_refs(self) -> tuple[Ref, ...]:
@@ -370,6 +372,17 @@ class StageRunner:
                                               on_operand=c.on_operand)
             if layer.deferred is not None:
                 hooks["override"] = layer.deferred
+            if totals is not None:
+                # The layer's recomputation waits for its output cotangents (XLA would
+                # start every layer's recomputation early and hold them all).
+                static = set(self.static_ids)
+                at = [i for i, v in enumerate(lp.residuals) if f_of.get(v) not in static]
+                ct_vars = lp.fb.invars[len(f_of):]
+                tied = ordering.after(
+                    [(residuals[i], layer.specs.get(lp.residuals[i])) for i in at],
+                    [(x, layer.specs.get(v)) for v, x in zip(ct_vars, out_cts)], self.mesh)
+                for i, x in zip(at, tied):
+                    residuals[i] = x
             in_cts = lp.run_backward(residuals, out_cts, **hooks)
             if totals is not None:
                 in_cts = self._accumulate(layer, in_cts, totals, tie=k > 0)
