@@ -12,6 +12,12 @@ that way, and 6.2 GiB with each layer's gradients computed before the next layer
 backward starts, which is the order the planner prices (one layer's backward live at a
 time).
 
+The stage runner ties three orders this way: a layer's recomputation after its output
+cotangents arrive (XLA:CPU otherwise started every layer's recomputation early: moe-380m,
+eight blocks' attention probabilities live at once), a layer's input cotangents after its
+gradients are added to the accumulators, and in the one-program step the weights after the
+micro-batch (else XLA hoists their all-gathers and casts out of the loop).
+
 `after` makes values depend on others, and changes no number: each device adds to its
 own block of the target an exact `+0.0` derived from one element of its own block of
 each source.  It is a `jax.shard_map` over the whole mesh, so it moves no data.
