@@ -93,8 +93,9 @@ class StageLayout:
         chooses sub-meshes).
       equal_layers: stages get equal layer counts (no search over the cuts).
       logical_shape: the one logical mesh shape every stage uses, or None (searched).
-      batch_axis: the batch dim of per-micro-batch inputs is split over the first
-        logical mesh axis (data parallelism inside each stage).
+      batch_axis: the batch dim of per-micro-batch inputs, and of every value computed
+        from them, is split over the first logical mesh axis and no other (data
+        parallelism inside each stage; the other axes split the model).
       fixed_state_split: with `shard_optimizer_state`, every stage splits its optimizer
         state (a fixed layout); otherwise each stage splits it where that is faster or
         where its memory needs it.
@@ -342,8 +343,9 @@ class PipeshardParallel:
 @dataclasses.dataclass(frozen=True)
 class Manual3DParallel:
     """A fixed 3-D layout (a baseline): `pp` stages with equal layer counts, each on
-    `dp` x `tp` devices as a (dp, tp) logical mesh with the batch split over dp; the
-    sharding inside a stage is then searched on that mesh.  `shard_optimizer_state` as in
+    `dp` x `tp` devices as a (dp, tp) logical mesh with the batch split over dp and never
+    over tp (Alpa's force_batch_dim_to_mesh_dim); the sharding of the model over tp is then
+    searched on that mesh.  `shard_optimizer_state` as in
     `PipeshardParallel`, except that every stage splits its state (ZeRO-2 over the
     stage's data-parallel axes), as a hand-written plan would."""
 

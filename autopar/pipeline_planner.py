@@ -163,11 +163,17 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
     traffic = {vid: ACCUMULATE_TRAFFIC for vid in grad_outs}
     param_inputs = [(fb.invars[k], graph.values[vid]) for k, vid in enumerate(f_ids)
                     if vid in params] if update is not None or lean else []
+    # A fixed (dp, tp) layout splits the batch over dp only: the other axes split the model.
+    batch_led = (_batch_dims(fb, [v for k, v in enumerate(fb.invars)
+                                  if k >= len(f_ids) or f_ids[k] not in params], batch_size)
+                 if forced_batch_axis and batch_size else {})
     pending = []
     for shape in shapes or logical_shapes(submesh):
         mesh = MeshContext.build(shape, sub)
         updates = {fv: _param_cost(update, lean, value.shape, value.nbytes, mesh,
                                    num_micro_batches) for fv, value in param_inputs}
+        if batch_led:
+            updates = _with_batch_axis_only(updates, batch_led, mesh)
         forced = {}
         if input_rule is not None:
             for pos, vid in enumerate(fb.invars[:len(position)]):
@@ -186,6 +192,46 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
             value_costs=updates, submit=submit)))
     return lambda: {shape: _priced(graph, program, layer, position, per_micro_inputs, mesh,
                                    run.result()) for shape, mesh, run in pending}
+
+
+def _batch_dims(fb: Graph, batch_inputs: Sequence[int], batch_size: int
+                ) -> dict[int, tuple[int, ...]]:
+    """Values of `fb` computed from the inputs `batch_inputs` whose leading dim is the
+    batch (`batch_size`), each with its dims of that size: the dims that carry the batch
+    (a model dim of the same size is taken for one too, which only narrows its layouts)."""
+    seeds = {v for v in batch_inputs if fb.values[v].shape[:1] == (batch_size,)}
+    carried = set(seeds)
+    for e in fb.eqns:
+        if any(isinstance(op, int) and op in carried for op in e.inputs):
+            carried.update(e.outputs)
+    out = {}
+    for vid in carried:
+        dims = tuple(d for d, n in enumerate(fb.values[vid].shape) if n == batch_size)
+        if dims:
+            out[vid] = dims
+    return out
+
+
+def _with_batch_axis_only(costs: dict[int, Callable[[Spec], float]],
+                          batch_led: dict[int, tuple[int, ...]], mesh: MeshContext
+                          ) -> dict[int, Callable[[Spec], float]]:
+    """`costs` plus `LEAN_PENALTY_S` on any layout that splits a batch dim of a value in
+    `batch_led` (value id → its batch dims, `_batch_dims`) over a mesh axis other than the
+    first: the data-parallel axis is the only one the batch is split over (Alpa's
+    force_batch_dim_to_mesh_dim), so a (dp, tp) stage is tensor-parallel over tp rather
+    than data-parallel over dp x tp."""
+    dp_axis = mesh.axes[0]
+    out = dict(costs)
+    for vid, dims in batch_led.items():
+        base = costs.get(vid)
+
+        def cost(spec: Spec, dims=dims, base=base) -> float:
+            seconds = 0.0 if base is None else base(spec)
+            if any(a != dp_axis for d in dims for a in spec[d]):
+                seconds += LEAN_PENALTY_S
+            return seconds
+        out[vid] = cost
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

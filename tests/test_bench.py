@@ -136,6 +136,32 @@ def test_lean_layer_solve_cuts_every_parameter_as_finely_as_it_goes(toy_pricer):
     assert held["lean"] < held["fast"], held
 
 
+def test_fixed_3d_layout_splits_the_batch_over_dp_only():
+    """A (dp, tp) stage of Manual3DParallel (`forced_batch_axis`): no value of the layer's
+    forward+backward splits its batch dim over the tp axis, so tp is tensor parallelism.
+    Left free, a GPT-350M layer on 4 V100s is data parallel over both axes; with only the
+    stage's inputs held to dp, its activations were still resharded onto dp x tp inside."""
+    from autopar.layer import LayerProgram
+    from autopar.pipeline_planner import LEAN_PENALTY_S, price_stage
+
+    cluster = ClusterSpec.preset("8xV100-16GB").with_devices(1, 4)
+    w = layouts.Pricer("gpt-350m", 32, cluster).workload(2)
+    kw = dict(solver="auto", time_limit_s=10, batch_size=w.micro_batch, shapes=[(2, 2)],
+              remat=w.split.remat, num_micro_batches=2)
+    args = (w.graph, w.layers[1], w.diff, cluster, (1, 4))
+    fb = LayerProgram.build(w.graph, w.layers[1], w.diff, remat=w.split.remat).fb
+
+    def batch_split_over_tp(priced) -> int:
+        return sum(1 for vid, spec in priced.value_specs
+                   if fb.values[vid].shape[:1] == (w.micro_batch,) and "y" in spec[0])
+
+    free = price_stage(*args, **kw)[(2, 2)]
+    fixed = price_stage(*args, forced_batch_axis=True, **kw)[(2, 2)]
+    assert batch_split_over_tp(free) > 0
+    assert batch_split_over_tp(fixed) == 0
+    assert free.cost_s <= fixed.cost_s < LEAN_PENALTY_S
+
+
 def test_best_fitting_takes_the_fastest_layout_that_fits(toy_pricer):
     cands = [layouts.Layout("3d", dp, tp, pp, b, "tensor")
              for dp, tp, pp in [(4, 1, 1), (2, 2, 1), (1, 2, 2)] for b in (2, 4)]
