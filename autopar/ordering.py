@@ -56,10 +56,13 @@ def _zero_from(x: Any) -> Any:
 def after(targets: Sequence[tuple[Any, Spec | None]], sources: Sequence[tuple[Any, Spec | None]],
           mesh: Mesh) -> list[Any]:
     """The arrays of `targets` ((array, its layout) pairs), unchanged in value, made to
-    depend on every array of `sources` (same pairs).  A target or source whose layout is
-    unknown, or does not split it evenly over `mesh`, is left out (returned as it is)."""
+    depend on every array of `sources` (same pairs).  Float and integer targets are tied
+    (an integer one, e.g. the token ids a first layer recomputes from, gets an exact
+    integer 0); a boolean target, or a target or source whose layout is unknown or does
+    not split it evenly over `mesh`, is left out (returned as it is)."""
     tied = [i for i, (x, spec) in enumerate(targets)
-            if jnp.issubdtype(x.dtype, jnp.floating) and _local_ok(x, spec, mesh)]
+            if (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer))
+            and _local_ok(x, spec, mesh)]
     srcs = [(x, spec) for x, spec in sources if _local_ok(x, spec, mesh)]
     out = [x for x, _ in targets]
     if not tied or not srcs:

@@ -74,26 +74,32 @@ def test_stage_backward_holds_one_layer_at_a_time(mode):
 
 def test_after_changes_no_value_and_moves_no_data():
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
-    specs = {"t": (("x",), ()), "g": ((), ("y",)), "odd": (("y",),)}
+    specs = {"t": (("x",), ()), "g": ((), ("y",)), "odd": (("y",),), "tok": (("x",), ())}
     t = jnp.array([[-0.0, 1.5, np.nan, -np.inf]] * 4, jnp.float16)
     g = jnp.array([[np.nan, np.inf, 2.0, -3.0]] * 2, jnp.float32)
     odd = jnp.arange(6.0)   # 6 does not split over y=4: left out
+    tok = jnp.array([[0, -7, 2**31 - 1, -2**31]] * 2, jnp.int32)   # token ids: tied too
 
-    def f(t, g, odd):
-        return ordering.after([(t, specs["t"]), (odd, specs["odd"])],
+    def f(t, g, odd, tok):
+        return ordering.after([(t, specs["t"]), (odd, specs["odd"]), (tok, specs["tok"])],
                               [(g, specs["g"]), (odd, specs["odd"])], mesh)
 
     shardings = (NamedSharding(mesh, PartitionSpec("x", None)),
                  NamedSharding(mesh, PartitionSpec(None, "y")),
-                 NamedSharding(mesh, PartitionSpec()))
-    args = [jax.device_put(x, s) for x, s in zip((t, g, odd), shardings)]
+                 NamedSharding(mesh, PartitionSpec()),
+                 NamedSharding(mesh, PartitionSpec("x", None)))
+    args = [jax.device_put(x, s) for x, s in zip((t, g, odd, tok), shardings)]
     lowered = jax.jit(f).lower(*args)
     text = lowered.compile().as_text()
     for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute",
                "reduce-scatter"):
         assert op not in text, op
-    tied, same = jax.jit(f)(*args)
+    tied, same, tied_tok = jax.jit(f)(*args)
     np.testing.assert_array_equal(np.asarray(tied), np.asarray(t))
     assert np.array_equal(np.signbit(np.asarray(tied)), np.signbit(np.asarray(t)))
     np.testing.assert_array_equal(np.asarray(same), np.asarray(odd))
-    assert "manual_computation" in lowered.as_text()   # the tie is there, shard-local
+    assert tied_tok.dtype == tok.dtype
+    np.testing.assert_array_equal(np.asarray(tied_tok), np.asarray(tok))
+    hlo = lowered.as_text()
+    assert "manual_computation" in hlo   # the tie is there, shard-local
+    assert "xi32>" in hlo.split("manual_computation")[1].split("\n")[0]   # tok is tied
