@@ -388,6 +388,17 @@ class Graph:
             if follow(k):
                 stack.extend(op for op in self.eqns[k].inputs if isinstance(op, int))
 
+    def computed_from(self, starts: Iterable[int], keep: Callable[[int], bool] = lambda v: True
+                      ) -> set[int]:
+        """`starts` and every value computed from one of them: each output that `keep`
+        accepts of an equation reading a value of the set (a rejected output ends its
+        paths)."""
+        out = set(starts)
+        for e in self.eqns:
+            if any(isinstance(op, int) and op in out for op in e.inputs):
+                out.update(o for o in e.outputs if keep(o))
+        return out
+
     def read(self, op: Operand, env: dict[int, Any]) -> Any:
         """The value of an operand: a literal, a constant, or `env[id]`."""
         if isinstance(op, Lit):

@@ -30,11 +30,7 @@ def differentiable_values(graph: Graph, diff_inputs: Sequence[int]) -> set[int]:
     """Value ids of F that carry gradients: the differentiated inputs and every float value
     computed from one of them (a causal mask built from `iota`, or a value computed from
     the batch alone, gets no cotangent)."""
-    out = {v for v in diff_inputs}
-    for e in graph.eqns:
-        if any(isinstance(op, int) and op in out for op in e.inputs):
-            out.update(o for o in e.outputs if is_float(graph.values[o].dtype))
-    return out
+    return graph.computed_from(diff_inputs, lambda v: is_float(graph.values[v].dtype))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -199,11 +199,8 @@ def _batch_dims(fb: Graph, batch_inputs: Sequence[int], batch_size: int
     """Values of `fb` computed from the inputs `batch_inputs` whose leading dim is the
     batch (`batch_size`), each with its dims of that size: the dims that carry the batch
     (a model dim of the same size is taken for one too, which only narrows its layouts)."""
-    seeds = {v for v in batch_inputs if fb.values[v].shape[:1] == (batch_size,)}
-    carried = set(seeds)
-    for e in fb.eqns:
-        if any(isinstance(op, int) and op in carried for op in e.inputs):
-            carried.update(e.outputs)
+    carried = fb.computed_from(v for v in batch_inputs
+                               if fb.values[v].shape[:1] == (batch_size,))
     out = {}
     for vid in carried:
         dims = tuple(d for d, n in enumerate(fb.values[vid].shape) if n == batch_size)

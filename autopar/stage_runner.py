@@ -352,6 +352,7 @@ class StageRunner:
             seed = jnp.asarray(self.scale, self.graph.values[self.loss_vid].dtype)
             ct[self.loss_vid] = ct[self.loss_vid] + seed if self.loss_vid in ct else \
                 jnp.broadcast_to(seed, self.graph.values[self.loss_vid].shape)
+        static_ids = set(self.static_ids)
         for k in reversed(range(len(self.layers))):
             layer = self.layers[k]
             lp = layer.program
@@ -375,8 +376,7 @@ class StageRunner:
             if totals is not None:
                 # The layer's recomputation waits for its output cotangents (XLA would
                 # start every layer's recomputation early and hold them all).
-                static = set(self.static_ids)
-                at = [i for i, v in enumerate(lp.residuals) if f_of.get(v) not in static]
+                at = [i for i, v in enumerate(lp.residuals) if f_of.get(v) not in static_ids]
                 ct_vars = lp.fb.invars[len(f_of):]
                 tied = ordering.after(
                     [(residuals[i], layer.specs.get(lp.residuals[i])) for i in at],
