@@ -85,6 +85,10 @@ class _Priced:
     # contraction that produces it, so a gradient laid out split over the data-parallel
     # axes is accumulated whole); None for other inputs.
     accumulator_bytes: tuple[float | None, ...] = ()
+    # The inputs among the residuals (`residual_bytes` counts them at this layer's layout):
+    # (position in `input_specs`, bytes per device at that layout).  The runtime keeps such
+    # a value once, as its producer laid it out (`stage_memory_bytes`).
+    input_residuals: tuple[tuple[int, float], ...] = ()
 
 
 def diff_values(split: pipeline.SplitStep, graph: Graph) -> set[int]:
@@ -344,9 +348,12 @@ def _priced(graph: Graph, program: pipeline.StageProgram, layer: LayerProgram,
         axes = deferral.unreduced_axes(fb, grads[vid]) if deferral else ()
         return graph.values[vid].nbytes / mesh.shards(unreduced_spec(vs[grads[vid]], axes))
 
+    residuals = _residuals(fb, layer.num_outs, per_micro_inputs)
+    at_layout = lambda v: fb.values[v].nbytes / mesh.shards(vs[v]) if v in vs \
+        else fb.values[v].nbytes
     return _Priced(
         res.cost_s, res.memory_bytes, mesh, specs,
-        _residual_bytes(fb, vs, layer.num_outs, per_micro_inputs, mesh),
+        float(sum(at_layout(v) for v in residuals)),
         output_specs=tuple(spec_of(outs[v]) or ((),) * graph.values[v].ndim
                            for v in program.outputs),
         ct_out_specs=tuple(spec_of(cts_out[v]) if v in cts_out else None
@@ -355,24 +362,23 @@ def _priced(graph: Graph, program: pipeline.StageProgram, layer: LayerProgram,
                           for v in program.outputs),
         value_specs=tuple(sorted(vs.items())), operand_specs=res.operand_specs,
         num_values=len(fb.values),
-        accumulator_bytes=tuple(accumulator(vid) for vid in program.inputs))
+        accumulator_bytes=tuple(accumulator(vid) for vid in program.inputs),
+        input_residuals=tuple((k, at_layout(fb.invars[position[vid]]))
+                              for k, vid in enumerate(program.inputs)
+                              if fb.invars[position[vid]] in residuals))
 
 
-def _residual_bytes(fb: Graph, specs, num_primal_outs: int, kept_inputs: set[int],
-                    mesh: MeshContext) -> float:
-    """Bytes per device the forward keeps for the backward (one micro-batch in flight):
-    values produced up to the forward's last output (the first `num_primal_outs` outputs),
-    and the per-micro-batch inputs `kept_inputs`, that are read after it, each at its
-    chosen layout.  Values a rematerialized stage recomputes are produced after that point,
-    so they do not count."""
+def _residuals(fb: Graph, num_primal_outs: int, kept_inputs: set[int]) -> set[int]:
+    """The values the forward keeps for the backward (one micro-batch in flight): values
+    produced up to the forward's last output (the first `num_primal_outs` outputs), and the
+    per-micro-batch inputs `kept_inputs`, that are read after it.  Values a rematerialized
+    stage recomputes are produced after that point, so they are not among them."""
     producers = [fb.values[op].producer for op in fb.outvars[:num_primal_outs]
                  if isinstance(op, int) and fb.values[op].producer is not None]
     start = max(producers) + 1 if producers else 0
-    residuals = {op for e in fb.eqns[start:] for op in e.inputs if isinstance(op, int)
-                 and (op in kept_inputs or fb.values[op].producer is not None
-                      and fb.values[op].producer < start)}
-    return float(sum(fb.values[v].nbytes / mesh.shards(specs[v]) if v in specs
-                     else fb.values[v].nbytes for v in residuals))
+    return {op for e in fb.eqns[start:] for op in e.inputs if isinstance(op, int)
+            and (op in kept_inputs or fb.values[op].producer is not None
+                 and fb.values[op].producer < start)}
 
 
 _LAYOUT_ONLY = frozenset({"convert_element_type", "reshape", "transpose", "copy", "copy_p",
@@ -868,18 +874,34 @@ def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.St
       main_grad);
     * the optimizer state (split over the data-parallel axes with `shard_state`);
     * the residuals of every micro-batch in flight (the schedule's `in_flight`, at most
-      `micro`);
-    * the largest transient of one layer's forward+backward: its predicted peak less the
-      parameters, gradients and residuals counted above.  Layers run one after the other,
-      so their temporaries never coexist (summing the layers' peaks counted each layer's
-      parameters-sized temporaries and attention scores once per layer);
+      `micro`) but the one running, whole; a layer input among them once, at the layout
+      the runtime holds it in (its producer's, `_Priced.input_residuals`), not the reading
+      layer's: a layer that reads its input replicated gathers it when it runs;
+    * for the micro-batch running, the largest, over the layers, of a layer's transient
+      (its forward+backward's predicted peak less the parameters, gradients and residuals
+      counted here) plus the residuals of that layer and the layers before it.  Layers run
+      one after the other, so their temporaries never coexist (summing the layers' peaks
+      counted each layer's parameters-sized temporaries and attention scores once per
+      layer); and while layer k runs forward, later layers have no residuals yet, while it
+      runs backward theirs are freed (a convolutional net's largest transients are in its
+      first, widest layers, where few residuals are held);
     * with `whole_step` (the stage is the whole pipeline, which the runtime runs as one
       program, `StageRunner.fused_step`): the reduced gradients, at their state layout,
       which are that program's outputs and so held through the step."""
     held = held_param_bytes(priced, programs, params, graph, False)
     state = held_param_bytes(priced, programs, params, graph, shard_state)
     grads: dict[int, float] = {}
-    transient = 0.0
+    residuals = running = 0.0
+    # Where the runtime keeps a layer input it saves for the backward: as the earlier layer
+    # producing it laid it out, or a stage input as its first reader does (the stage's
+    # input layout); once however many layers read it.
+    holder: dict[int, float] = {}
+    for p, prog in zip(priced, programs):
+        for vid, spec in zip(prog.inputs, p.input_specs):
+            holder.setdefault(vid, graph.values[vid].nbytes / p.mesh.shards(spec))
+        for vid, spec in zip(prog.outputs, p.output_specs):
+            holder[vid] = graph.values[vid].nbytes / p.mesh.shards(spec)
+    kept: set[int] = set()
     for p, prog in zip(priced, programs):
         own = 0.0
         acc = p.accumulator_bytes or (None,) * len(prog.inputs)
@@ -893,10 +915,14 @@ def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.St
                 g = nbytes / p.mesh.shards(ct)
                 own += g
                 grads.setdefault(vid, g if a is None else a)
-        transient = max(transient, p.memory_bytes - own - p.residual_bytes)
-    residuals = sum(p.residual_bytes for p in priced)
+        residuals += p.residual_bytes
+        for k, nbytes in p.input_residuals:
+            vid = prog.inputs[k]
+            residuals += (holder[vid] if vid not in kept else 0.0) - nbytes
+            kept.add(vid)
+        running = max(running, residuals + p.memory_bytes - own - p.residual_bytes)
     return (held + sum(grads.values()) + (state_bytes_per_param_byte + whole_step) * state
-            + min(in_flight, micro) * residuals + transient)
+            + (min(in_flight, micro) - 1) * residuals + running)
 
 
 def _program_key(graph: Graph, prog: pipeline.StageProgram, diff: set[int]) -> str:

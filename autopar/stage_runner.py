@@ -121,6 +121,7 @@ class StageRunner:
         self.num_micro_batches = num_micro_batches
         self.layers = self._layers(diff_values, remat)
         self.refs = self._residual_refs()
+        self.held_specs = self._held_specs()
         self.saved_refs = tuple(r for r in self.refs if r[0] != -1)
         # Micro-batch inputs the backward reads again (e.g. a rematerialized layer's input):
         # the runtime still holds them, so they are passed again rather than saved (a jit
@@ -231,6 +232,18 @@ class StageRunner:
                 if ref not in refs:
                     refs.append(ref)
         return tuple(refs)
+
+    def _held_specs(self) -> dict[int, Spec]:
+        """Per F id of a layer input, the layout it is held in between the layers reading
+        it: a stage input's, or the output layout of the layer producing it."""
+        held = dict(self.input_specs)
+        for layer in self.layers:
+            lp = layer.program
+            outs = list(lp.fn.float_outs) + list(lp.fn.int_outs)
+            for fid, op in zip(outs, lp.fb.outvars[:len(outs)]):
+                if isinstance(op, int) and op in layer.specs:
+                    held.setdefault(fid, layer.specs[op])
+        return held
 
     def _discover_grad_parts(self) -> dict[int, dict[tuple[str, ...], jax.ShapeDtypeStruct]]:
         """Per parameter, the parts its gradient sum has (traced once, abstractly)."""
@@ -375,11 +388,15 @@ class StageRunner:
                 hooks["override"] = layer.deferred
             if totals is not None:
                 # The layer's recomputation waits for its output cotangents (XLA would
-                # start every layer's recomputation early and hold them all).
+                # start every layer's recomputation early and hold them all).  A layer
+                # input is tied as it is held (a layout this layer reads it in would be
+                # gathered once for the forward and the backward, and held between).
                 at = [i for i, v in enumerate(lp.residuals) if f_of.get(v) not in static_ids]
                 ct_vars = lp.fb.invars[len(f_of):]
+                held = [self.held_specs.get(f_of[v]) if v in f_of else layer.specs.get(v)
+                        for v in lp.residuals]
                 tied = ordering.after(
-                    [(residuals[i], layer.specs.get(lp.residuals[i])) for i in at],
+                    [(residuals[i], held[i]) for i in at],
                     [(x, layer.specs.get(v)) for v, x in zip(ct_vars, out_cts)], self.mesh)
                 for i, x in zip(at, tied):
                     residuals[i] = x

@@ -31,6 +31,7 @@ upper estimate of the schedule XLA picks.  `analyze(graph)` is the layout-indepe
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -106,6 +107,9 @@ class BufferInfo:
       broadcasts: (value, like, start, end) per implicit broadcast XLA:CPU materializes
         (`analyze(cpu=True)`): `value` broadcast to the shape of value `like` (whose
         layout it has), live [start, end).
+      expansions: (equation, value, factor) per equation that XLA rewrites into several
+        with buffers of their own (`EXPANDED`): while it runs, `factor` x the bytes per
+        device of `value` more are live.
     """
 
     materialized: np.ndarray
@@ -119,6 +123,31 @@ class BufferInfo:
     readers: dict
     eqn_bytes: np.ndarray
     broadcasts: tuple[tuple[int, int, int, int], ...] = ()
+    expansions: tuple[tuple[int, int, float], ...] = ()
+
+
+def _select_and_scatter(graph: Graph, e) -> tuple[int, float] | None:
+    """XLA's SelectAndScatterExpander (XLA:CPU and XLA:GPU both run it) rewrites a
+    select-and-scatter (max pooling's backward) into a reduce-window over the padded
+    operand and one s32 iota of its indices per dimension, returning the selected value
+    and its indices per window, and a scatter of the source at those indices.  Live while
+    it runs: the padded operand and its iotas, and the reduce-window's results (source
+    sized).  wrn-250m on one device, micro-batch 384: five 2.9 GiB buffers at the stem's
+    backward.  (operand value, factor on its bytes)."""
+    source, operand = (op for op in e.inputs[:2])
+    if not isinstance(operand, int) or not isinstance(source, int):
+        return None
+    v, src = graph.values[operand], graph.values[source]
+    if v.size == 0:
+        return None
+    padded = math.prod(n + lo + hi for n, (lo, hi) in zip(v.shape, e.params["padding"]))
+    per_elem = 1.0 + v.ndim * 4.0 / max(v.nbytes / v.size, 1.0)  # value + s32 indices
+    return operand, per_elem * (padded + src.size) / v.size
+
+
+# Equations XLA expands into several with buffers of their own: name -> (graph, eqn) ->
+# (value, factor) such that factor x that value's bytes per device are live while it runs.
+EXPANDED: dict[str, Callable] = {"select_and_scatter_add": _select_and_scatter}
 
 
 def analyze(graph: Graph, *, cpu: bool = False) -> BufferInfo:
@@ -255,8 +284,14 @@ def analyze(graph: Graph, *, cpu: bool = False) -> BufferInfo:
             eqn_bytes[u] += v.nbytes
         if v.producer is not None and materialized[v.id]:
             eqn_bytes[v.producer] += v.nbytes
+    expansions = []
+    for e in graph.eqns:
+        found = EXPANDED[e.name](graph, e) if e.name in EXPANDED else None
+        if found is not None:
+            expansions.append((e.index, *found))
     return BufferInfo(materialized, start, end, horizon, urgent, is_output, last, inplace,
-                      readers, eqn_bytes, _cpu_broadcasts(graph, into_reduce, earliest, last))
+                      readers, eqn_bytes, _cpu_broadcasts(graph, into_reduce, earliest, last),
+                      tuple(expansions))
 
 
 def _cpu_broadcasts(graph: Graph, into_reduce: np.ndarray, earliest: np.ndarray,
@@ -421,6 +456,9 @@ def temp_buffers(graph: Graph, info: BufferInfo, value_bytes: Callable[[int], fl
         events.append((s, max(e, s + 1), nbytes, f"v{vid} {v.shape}"))
     for vid, like, s, e in info.broadcasts:
         events.append((s, e, value_bytes(like), f"broadcast v{vid} {graph.values[like].shape}"))
+    for k, vid, factor in info.expansions:
+        t = int(info.runs_at[k])
+        events.append((t, t + 1, factor * value_bytes(vid), f"{graph.eqns[k].name} v{vid}"))
     # One copy per (value, layout), shared by its readers (XLA's CSE): a gathering copy is
     # made before the first of them, a slice right after the value.
     copies: dict[tuple[int, object], list] = {}

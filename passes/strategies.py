@@ -213,6 +213,17 @@ def follow_unsplit(dims_of: Callable[[EqnInfo], Sequence[int]]) -> FollowFn:
     return rule
 
 
+def follow_window(info: EqnInfo, lead: int, spec: Spec, mesh: MeshContext) -> FollowResult:
+    """Windowed reductions and their gradients (pooling): the window dims whole, the others
+    as `lead` has them on every operand and result of its rank, whatever their window-dim
+    sizes (max pooling's backward reads the pooled cotangent and the unpooled input)."""
+    new, dropped = _drop_axes(spec, _window_dims(info))
+    cost = _gather_cost(info.in_nbytes[lead], spec, dropped, mesh)
+    like = lambda s: new if len(s) == len(new) and mesh.divides(s, new) else replicated(len(s))
+    return FollowResult(tuple(like(s) for s in info.out_shapes),
+                        tuple(like(s) for s in info.in_shapes), cost)
+
+
 def follow_reduce(info: EqnInfo, lead: int, spec: Spec, mesh: MeshContext) -> FollowResult:
     axes = tuple(info.params["axes"])
     out = tuple(a for d, a in enumerate(spec) if d not in axes)
@@ -571,7 +582,7 @@ strategy_rules: dict[str, StrategyRule] = {
     "scan": _enum(enumerate_opaque),
     "while": _enum(enumerate_opaque),
     "cond": _enum(lambda info, mesh: [replicated_strategy(info, mesh)]),
-    **{name: _follow(follow_unsplit(_window_dims), first_operand) for name in (
+    **{name: _follow(follow_window, first_operand) for name in (
         "reduce_window_sum reduce_window_max reduce_window_min reduce_window "
         "select_and_scatter_add select_and_gather_add").split()},
     # PRNG key plumbing: tiny values, replicated on purpose (no warning).

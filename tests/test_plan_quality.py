@@ -6,8 +6,11 @@ for) and compiled for the 8 emulated CPU devices, which have the same mesh."""
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import autopar
@@ -144,4 +147,50 @@ def test_gpt_memory_prediction_matches_xla_cpu(method):
                                cluster="cpu-local")
     plan = step.get_plan(state, batch)
     compiled = step.lower(state, batch).compile()
+    assert plan.predicted.memory_bytes == pytest.approx(per_device_bytes(compiled), rel=0.10)
+
+
+class _PoolStem(nn.Module):
+    """A ResNet-style stem: convolution, max pooling (window 3, stride 2), convolution."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(32, (3, 3), padding="SAME")(x))
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+        x = nn.relu(nn.Conv(32, (3, 3), padding="SAME")(x))
+        return nn.Dense(8)(x.mean(axis=(1, 2)))
+
+
+def _pool_case():
+    model, tx = _PoolStem(), optax.sgd(0.1)
+
+    def step(state, batch):
+        def loss_fn(params):
+            logits = model.apply({"params": params}, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, \
+            {"loss": loss}
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 64, 64, 3)), jnp.float32)
+    params = model.init(jax.random.PRNGKey(0), x[:1])["params"]
+    return step, {"params": params, "opt": tx.init(params)}, \
+        {"x": x, "y": jnp.arange(64, dtype=jnp.int32) % 8}
+
+
+def test_max_pool_backward_keeps_the_batch_split_and_its_memory_is_predicted():
+    """Max pooling's backward (select_and_scatter_add) reads the pooled cotangent and the
+    unpooled input: both keep the batch split (a rule that replicated the larger one priced
+    a 32 MiB gather XLA does not do).  XLA expands it into a reduce-window over the padded
+    input and one s32 iota per dimension, five input-sized buffers live at once: counted,
+    the prediction is within 10% of memory_analysis() (13.45 MiB predicted for 37.35 MiB
+    compiled without them)."""
+    step, state, batch = _pool_case()
+    par = autopar.parallelize(step, method=autopar.DataParallel(), donate_argnums=(0,),
+                              cluster="cpu-local")
+    plan = par.get_plan(state, batch)
+    compiled = par.lower(state, batch).compile()
+    assert {k for k, _ in collectives(compiled, plan)} == {"all-reduce"}
     assert plan.predicted.memory_bytes == pytest.approx(per_device_bytes(compiled), rel=0.10)
