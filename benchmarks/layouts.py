@@ -20,12 +20,13 @@ roofline over the state the device holds), plus for ZeRO-2 the all-gather of the
 Memory per device of stage s (1F1B keeps pp − s micro-batches of activations in flight) is
 the planner's (`pipeline_planner.stage_memory_bytes`):
 
-    parameters + gradient accumulators + in-flight · residuals + one layer's transient
-    + optimizer state
+    parameters + gradient accumulators + (in-flight − 1) · residuals
+    + max over layers k (residuals of layers ≤ k + layer k's transient) + optimizer state
 
 (gradients are added in place into the accumulators, as Megatron-LM's main_grad does)
 with residuals the bytes per device the forward keeps for the backward (at the layouts the
-search chose, `_Priced.residual_bytes`), and the optimizer state
+search chose, `_Priced.residual_bytes`; a saved layer input once, at its producer's
+layout), and the optimizer state
 (`state_bytes_per_param_byte` x parameter bytes) split like the parameters, and for ZeRO-2/3
 also over dp.  A plan whose memory exceeds the device's is out of memory (OOM).
 """
