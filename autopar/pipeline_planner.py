@@ -898,13 +898,10 @@ def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.St
     # producing it laid it out, or a stage input as its first reader does (the stage's
     # input layout); once however many layers read it.
     holder: dict[int, tuple[Spec, float]] = {}
+    kept: set[int] = set()
     for p, prog in zip(priced, programs):
         for vid, spec in zip(prog.inputs, p.input_specs):
             holder.setdefault(vid, (spec, graph.values[vid].nbytes / p.mesh.shards(spec)))
-        for vid, spec in zip(prog.outputs, p.output_specs):
-            holder[vid] = (spec, graph.values[vid].nbytes / p.mesh.shards(spec))
-    kept: set[int] = set()
-    for p, prog in zip(priced, programs):
         own = 0.0
         acc = p.accumulator_bytes or (None,) * len(prog.inputs)
         for vid, spec, ct, a in zip(prog.inputs, p.input_specs, p.ct_out_specs or
@@ -927,6 +924,8 @@ def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.St
             if p.input_specs[k] != spec:
                 transient += nbytes  # the copy in this layer's layout, made when it runs
         running = max(running, residuals + transient)
+        for vid, spec in zip(prog.outputs, p.output_specs):
+            holder[vid] = (spec, graph.values[vid].nbytes / p.mesh.shards(spec))
     return (held + sum(grads.values()) + (state_bytes_per_param_byte + whole_step) * state
             + (min(in_flight, micro) - 1) * residuals + running)
 

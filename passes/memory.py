@@ -134,7 +134,7 @@ def _select_and_scatter(graph: Graph, e) -> tuple[int, float] | None:
     it runs: the padded operand and its iotas, and the reduce-window's results (source
     sized).  wrn-250m on one device, micro-batch 384: five 2.9 GiB buffers at the stem's
     backward.  (operand value, factor on its bytes)."""
-    source, operand = (op for op in e.inputs[:2])
+    source, operand = e.inputs[:2]
     if not isinstance(operand, int) or not isinstance(source, int):
         return None
     v, src = graph.values[operand], graph.values[source]
