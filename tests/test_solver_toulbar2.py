@@ -133,20 +133,33 @@ def test_penalty_and_lns_path(monkeypatch):
     assert sol.stats["penalty_solves"] >= 1
 
 
-def test_penalty_scan_first_round(monkeypatch):
-    """The scanning first round (more levels than workers, queued) runs every level and
-    the loop still returns a feasible answer."""
+def test_penalty_weights_from_memory_prices(monkeypatch):
+    """Large problems start the penalty loop from the pairwise-LP dual's memory prices:
+    one weight per node, PRICE_FACTOR x the prices over its live checkpoints, floored;
+    the dual's bound is a valid lower bound.  With no price above zero (here: a known
+    cost far above the optimum, which makes the dual's steps overshoot) the loop starts
+    from one uniform weight.  Either way it returns a feasible answer."""
+    import time
+
     from autopar.passes.solver import toulbar2
+    from autopar.passes.solver.reduce import reduce_problem
+
+    p = load_iopddl(DATA / "asplos-2025-iopddl-G.json.gz")
+    red, _ = reduce_problem(p)
+    w, stats = toulbar2._price_weights(red, 1.05 * 217_039.0 - red.offset,
+                                       time.perf_counter() + 2.0)
+    assert w.shape == (red.num_nodes,)
+    assert w.min() >= toulbar2.PRICE_FLOOR * w.max() * (1 - 1e-12) > 0
+    assert len(np.unique(w)) > 1  # tight checkpoints price their nodes higher
+    assert stats["price_lp_bound"] <= 217_039.0 + 1e-6
+    w, stats = toulbar2._price_weights(red, 1e4 * 217_039.0, time.perf_counter() + 0.5)
+    assert w == stats["initial_weight"] == toulbar2._initial_weight(red, 1e4 * 217_039.0)
 
     monkeypatch.setattr(toulbar2, "EXACT_MAX_NODES", 0)
-    monkeypatch.setattr(toulbar2, "SCAN_MIN_S", 0.0)
-    p = load_iopddl(DATA / "asplos-2025-iopddl-G.json.gz")
     sol = solve(p, time_limit_s=12.0, backend="toulbar2")
-    assert sol.stats["penalty_scan_levels"] == toulbar2.SCAN_LEVELS * 2
-    assert sol.stats["penalty_solves"] >= toulbar2.SCAN_LEVELS * 2
+    assert sol.stats["mode"] == "penalty+lns" and sol.stats["price_seconds"] > 0
     assert sol.feasible and sol.cost >= 217_039.0
     assert evaluate(p, sol.strategies) == (pytest.approx(sol.cost), True)
-
 
 def test_region_model_is_exact():
     """A region covering every node, knapsacks included, solves the whole problem."""

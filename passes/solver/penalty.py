@@ -7,9 +7,8 @@ largest weight known to leave a checkpoint of v's live range over the limit (lo_
 the smallest known to keep it under (hi_v), spread geometrically.  After the round each
 node narrows [lo_v, hi_v] from the levels' outcomes (nodes interact, so a bracket that
 proves wrong is widened again).  Before any outcome is known the levels are
-w0 * 4^k around a first guess w0; an optional first round scans more of them (queued on
-the workers, with shorter solves), which on 2 workers finds the brackets' scale rounds
-sooner.  Every answer without an overflow is a feasible candidate; a local-search
+w0_v * 4^k around a first guess w0 (one weight, or one per node: toulbar2.py derives
+them from memory prices).  Every answer without an overflow is a feasible candidate; a local-search
 descent (heuristic.LocalSearch) polishes it.
 (1st place of the ASPLOS'25 IOPDDL contest: Staudt & Blacher, "Soft Constraints, Strong
 Solutions"; this is our own implementation of the idea.)  An answer over the limit
@@ -98,10 +97,10 @@ class Penalty:
         dmax = np.array([d.max() for d in red.du] + [0.0])[:n]
         self.w_cap = _MAX_PENALTY_SPAN * max(span, 1.0) / max(float(dmax.sum()), 1e-300)
 
-    def weights(self, j: int, levels: int | None = None) -> np.ndarray:
-        """Per-node weights of level j of `levels` (default: self.levels); 0 for nodes
-        that never matter for memory."""
-        lv = levels or self.levels
+    def weights(self, j: int) -> np.ndarray:
+        """Per-node weights of level j of self.levels; 0 for nodes that never matter for
+        memory."""
+        lv = self.levels
         frac = (j + 1) / (lv + 1)
         lo, hi = self.lo, self.hi
         w = np.empty(len(lo))
@@ -185,7 +184,6 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
                    w0: float | np.ndarray, solve_s: float, seed: int = 0, levels: int | None = None,
                    log: list | None = None, hard_deadline: float | None = None,
                    on_first_round: Callable[[float], None] | None = None,
-                   first_levels: int | None = None, first_solve_s: float | None = None,
                    ) -> tuple[np.ndarray | None, float, dict]:
     """Rounds of penalized toulbar2 solves until `deadline` (time.perf_counter()), or
     until `hard_deadline` while no feasible answer has been found.
@@ -197,16 +195,15 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
     feasible answer, with that answer's penalized cost as toulbar2's upper bound.  The
     local-search polish of a round's feasible answers runs in this process while the
     workers solve the next round.  `on_first_round(stop)` runs here while the workers
-    solve the first round.  The first round may scan more weight levels
-    (`first_levels`, queued on the workers) with shorter solves (`first_solve_s`): the
-    brackets start orders of magnitude wide.  `ls` is used as scratch state.  Returns
+    solve the first round.  `ls` is used as scratch state.  Returns
     the best feasible reduced-problem choice found (or None), its cost, and counters.
+    `log` (a list) receives (time.perf_counter(), level, within the limit, largest
+    overflow, cost) per answer, with level -1 for each new best after the polish.
     """
     hard_deadline = deadline if hard_deadline is None else max(deadline, hard_deadline)
     levels = levels or pool.size
     pen = Penalty(red, w0, levels)
     found: dict = {"best": None, "cost": np.inf}
-    first_levels = max(levels, first_levels or levels)
     prev: list[np.ndarray | None] = []  # the last round's answers
     counts = {"penalty_rounds": 0, "penalty_solves": 0, "penalty_feasible": 0,
               "penalty_repaired": 0}
@@ -237,22 +234,21 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
                 ls.full_descent(stop)
             if ls.cost < found["cost"]:
                 found["best"], found["cost"] = np.array(ls.s, np.int64), float(ls.cost)
+                if log is not None:
+                    log.append((time.perf_counter(), -1, True, 0.0, float(ls.cost)))
 
     def end_time() -> float:
         return deadline if found["best"] is not None or pending else hard_deadline
 
     while time.perf_counter() < end_time() - 0.5:
         end = end_time()
-        first = counts["penalty_rounds"] == 0
-        lv = first_levels if first else levels
-        ws = [pen.weights(j, lv) for j in range(lv)]
-        slice_s = first_solve_s if first and first_solve_s else solve_s
+        ws = [pen.weights(j) for j in range(levels)]
         reqs, warm = [], []
         for w in ws:
             unary, _ = pen.unary(w)
             arrays = {"unary": unary}
             starts = [x for x in (*prev, found["best"]) if x is not None]
-            meta = {"time_limit_s": int(max(1, round(slice_s))), "lds": 4, "seed": seed + 1}
+            meta = {"time_limit_s": int(max(1, round(solve_s))), "lds": 4, "seed": seed + 1}
             x0 = None
             if starts:
                 costs = [pen.model_cost(unary, x) for x in starts]
@@ -272,8 +268,8 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
         counts["penalty_rounds"] += 1
         xs = [ans.arrays["values"] if ans is not None and "values" in ans.arrays else x0
               for ans, x0 in zip(answers, warm)]  # no answer below the bound: x0 stands
-        if any(x is None for x in xs) and not (first and first_solve_s):
-            solve_s *= 1.5  # (a scan's short solves say nothing about solve_s)
+        if any(x is None for x in xs):
+            solve_s *= 1.5
         broken: list[np.ndarray | None] = []
         prev = list(xs)
         for j, x in enumerate(xs):
@@ -286,7 +282,8 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
             broken.append(br)
             ok = not br.any() and bool(np.all(over <= 1e-9)) and pen.allowed(x)
             if log is not None:
-                log.append((time.perf_counter(), j, ok, float(over.max()) if len(over) else 0.0))
+                log.append((time.perf_counter(), j, ok, float(over.max()) if len(over) else 0.0,
+                            pen.real_cost(x)))
             if ok:
                 counts["penalty_feasible"] += 1
                 pending.append((x, True))
