@@ -59,12 +59,17 @@ def lagrangian_bound(problem: ShardingProblem, time_limit_s: float,
         return np.where(pen.mem, cm[pen.b] - cm[pen.a], 0.0)
 
     center, center_val, center_g, warm = mu, -np.inf, None, None
+    prev: list[np.ndarray] = []  # the last round's answers
+    retry: list[np.ndarray] | None = None
     theta = 1.0
     slice_s = float(np.clip(time_limit_s / 6.0, 5.0, 12.0))
     with WorkerPool(threads) as pool:
         key = "lagrange"
         while time.perf_counter() < deadline - 1.0:
-            if center_g is None:  # the LP's prices are often low: try them scaled up too
+            retrying = retry is not None
+            if retrying:
+                cands, retry = retry, None
+            elif center_g is None:  # the LP's prices are often low: try them scaled up too
                 cands = [center * f for f in ((1.0, 8.0) if threads > 1 else (1.0,))]
             else:
                 gg = float(center_g @ center_g)
@@ -73,31 +78,46 @@ def lagrangian_bound(problem: ShardingProblem, time_limit_s: float,
                 cands = [np.maximum(0.0, center + f * t * center_g)
                          for f in ((1.0, 0.3) if threads > 1 else (1.0,))]
             reqs, offs = [], []
+            starts = [x for x in (*prev, warm) if x is not None]
             for m in cands:
                 unary, off = pen.unary(weights(m))
                 arrays = {"unary": unary}
                 meta = {"seed": 1, "time_limit_s": int(max(1, round(slice_s)))}  # CPU s
-                if warm is not None:
-                    arrays["best"] = warm
-                    meta["ub"] = pen.model_cost(unary, warm) + 1.0
+                if starts:  # the cheapest known answer under these prices bounds the search
+                    costs = [pen.model_cost(unary, x) for x in starts]
+                    k = int(np.argmin(costs))
+                    arrays["best"] = starts[k]
+                    if np.isfinite(costs[k]):
+                        meta["ub"] = costs[k] + 1.0
                 reqs.append(Request(arrays, meta, base=key, base_arrays=pen.edge_arrays))
                 offs.append(off)
             answers = pool.run(reqs, deadline - pool.grace_s)
             stats["lagrange_rounds"] += 1
             improved = False
+            found = []
             for m, off, ans in zip(cands, offs, answers):
                 if ans is None or ans.meta.get("lower_bound") is None:
                     continue
                 val = ans.meta["lower_bound"] / pen.scale + off - float(m @ red.cap) - slack
                 x = ans.arrays.get("values", warm)
+                if "values" in ans.arrays:
+                    found.append(ans.arrays["values"])
                 best = max(best, val)
                 if val > center_val and x is not None:
                     center, center_val, warm, improved = m, val, x, True
                     center_g = pen.usage(x) - red.cap
                     center_g = np.where((m <= 0) & (center_g < 0), 0.0, center_g)
+            prev = found or prev
+            unproven = any(a is None or a.meta.get("status") not in ("optimal", "infeasible")
+                           for a in answers)
+            if unproven and not retrying and found:
+                # Solved again with the answers just found as upper bounds, toulbar2 often
+                # proves in seconds what it could not bound in a whole slice without one.
+                retry = cands
+                continue
             if not improved:
                 theta *= 0.5
-            if any(a is None or a.meta.get("status") != "optimal" for a in answers):
+            if unproven:
                 slice_s *= 1.25  # the subproblems need more time to bound well
     stats["lagrange_seconds"] = time.perf_counter() - t0
     if not np.isfinite(best):
