@@ -14,8 +14,9 @@ steps (Polyak's step towards the best known cost); each round prices two step le
 at once, one per worker.  Each subproblem starts from the cheapest answer known under its
 prices, whose cost bounds the search; a round that toulbar2 does not prove is solved once
 more at the same prices with the answers it just found (with such a bound toulbar2 often
-proves in seconds what it could not bound in a whole slice without one).  Model costs are rounded to integers: the bound gives back
-half a unit per cost function so that it stays valid.
+proves in seconds what it could not bound in a whole slice without one).  Model costs are
+rounded to integers: the bound gives back half a unit per cost function so that it stays
+valid.
 """
 
 from __future__ import annotations
