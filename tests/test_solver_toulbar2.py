@@ -29,7 +29,7 @@ from autopar.passes.solver import (
     solve,
 )
 from autopar.passes.solver.backend import AUTO_TOULBAR2_MIN_NODES, resolve_backend
-from autopar.passes.solver.cfn import nondominated_points
+from autopar.passes.solver.cfn import build_model, nondominated_points
 from autopar.passes.solver.reduce import reduce_problem
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("pytoulbar2") is None,
@@ -70,6 +70,37 @@ def test_nondominated_points_match_brute_force(seed):
     for k in range(npt):
         if live[k].any():
             assert any(not (live[k] & ~live[j]).any() and cap[j] <= cap[k] for j in got)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_knapsack_terms_match_a_term_by_term_build(seed):
+    """build_model gathers each variable's knapsack terms once; the arrays must be those
+    of writing every (knapsack, variable, value) term out, with shared and unshared usage
+    vectors, zero usages and empty knapsacks."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 8))
+    sizes = rng.integers(1, 5, n)
+    uses = [np.maximum(rng.normal(size=k), 0.0) * 1e3 for k in sizes]
+    knaps = []
+    for _ in range(int(rng.integers(1, 7))):
+        vs = rng.choice(n, int(rng.integers(0, n + 1)), replace=False).astype(np.int64)
+        knaps.append((vs, [uses[v] if rng.random() < 0.7 else uses[v].copy() for v in vs],
+                      float(rng.uniform(0, 3e3))))
+    m = build_model([np.zeros(k) for k in sizes], [], knaps)
+    u = m.usage_scale
+    ptr, var, val, coef = [0], [], [], []
+    for vs, us, _c in knaps:
+        for x, use in zip(vs.tolist(), us):
+            for j in np.flatnonzero(use > 0).tolist():
+                var.append(x)
+                val.append(j)
+                coef.append(int(np.ceil(use[j] * u)))
+        ptr.append(len(var))
+    assert m.arrays["kn_ptr"].tolist() == ptr
+    assert m.arrays["kn_var"].tolist() == var
+    assert m.arrays["kn_val"].tolist() == val
+    assert m.arrays["kn_coef"].tolist() == coef
+    assert m.arrays["kn_cap"].tolist() == [int(np.floor(c * u)) for _v, _u, c in knaps]
 
 
 def _float_problem(seed: int, limit: bool) -> ShardingProblem:

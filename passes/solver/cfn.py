@@ -100,27 +100,55 @@ def build_model(unary: list[np.ndarray], edges: list[tuple[int, int, np.ndarray]
     if knapsacks:
         caps = np.array([max(float(c), 0.0) for _v, _u, c in knapsacks])
         uscale = pow2_scale(float(caps.max()) if len(caps) else 0.0, _USAGE_MAX, True)
-        ptr, var, val, coef, cap = [0], [], [], [], []
-        for vars_, usages, c in knapsacks:
-            terms = 0
-            for x, use in zip(vars_.tolist(), usages):
-                nz = np.flatnonzero(use > 0)
-                var.append(np.full(len(nz), x, np.int64))
-                val.append(nz.astype(np.int64))
-                coef.append(np.ceil(use[nz] * uscale).astype(np.int64))
-                terms += len(nz)
-            ptr.append(ptr[-1] + terms)
-            cap.append(int(np.floor(c * uscale)))
-        arrays.update(
-            kn_ptr=np.array(ptr, np.int64),
-            kn_var=np.concatenate(var) if var else np.zeros(0, np.int64),
-            kn_val=np.concatenate(val) if val else np.zeros(0, np.int64),
-            kn_coef=np.concatenate(coef) if coef else np.zeros(0, np.int64),
-            kn_cap=np.array(cap, np.int64),
-        )
+        arrays.update(_knapsack_arrays(knapsacks, uscale))
     if best is not None:
         arrays["best"] = np.asarray(best, np.int64)
     return Model(arrays=arrays, cost_scale=scale, offset=offset, usage_scale=uscale)
+
+
+def _knapsack_arrays(knapsacks: list[tuple[np.ndarray, list[np.ndarray], float]],
+                     uscale: float) -> dict:
+    """tb2_worker's knapsack arrays (CSR: kn_ptr over the terms kn_var/kn_val/kn_coef,
+    kn_cap) with usages scaled by `uscale`.  A variable's usage vector is usually shared
+    by many knapsacks (every live set it belongs to): its nonzero terms are computed once
+    per (variable, vector) and gathered, so the cost is linear in the terms."""
+    piece: dict[tuple[int, int], int] = {}
+    p_val: list[np.ndarray] = []
+    p_coef: list[np.ndarray] = []
+    p_var: list[int] = []
+    pid: list[int] = []
+    n_of: list[int] = []
+    for vars_, usages, _c in knapsacks:
+        n_of.append(len(usages))
+        for x, use in zip(vars_.tolist(), usages):
+            key = (x, id(use))
+            k = piece.get(key)
+            if k is None:
+                k = piece[key] = len(p_val)
+                nz = np.flatnonzero(use > 0)
+                p_val.append(nz.astype(np.int64))
+                p_coef.append(np.ceil(use[nz] * uscale).astype(np.int64))
+                p_var.append(x)
+            pid.append(k)
+    lens = np.array([len(v) for v in p_val], np.int64)
+    starts = np.concatenate([[0], np.cumsum(lens)])[:-1]
+    ids = np.array(pid, np.int64)
+    cnt = lens[ids] if len(ids) else np.zeros(0, np.int64)
+    total = int(cnt.sum())
+    # Term t of piece ids[i] sits at starts[ids[i]] + (t - first term of i).
+    first = np.concatenate([[0], np.cumsum(cnt)])[:-1]
+    at = np.repeat(starts[ids] - first, cnt) + np.arange(total)
+    flat_val = np.concatenate(p_val) if p_val else np.zeros(0, np.int64)
+    flat_coef = np.concatenate(p_coef) if p_coef else np.zeros(0, np.int64)
+    knap_of = np.repeat(np.arange(len(knapsacks)), n_of)
+    per_knap = np.bincount(knap_of, weights=cnt, minlength=len(knapsacks)).astype(np.int64)
+    return {
+        "kn_ptr": np.concatenate([[0], np.cumsum(per_knap)]).astype(np.int64),
+        "kn_var": np.repeat(np.array(p_var, np.int64)[ids], cnt),
+        "kn_val": flat_val[at].astype(np.int64),
+        "kn_coef": flat_coef[at].astype(np.int64),
+        "kn_cap": np.array([int(np.floor(c * uscale)) for _v, _u, c in knapsacks], np.int64),
+    }
 
 
 def nondominated_points(a: np.ndarray, b: np.ndarray, cap: np.ndarray) -> list[int]:

@@ -120,6 +120,8 @@ def tb2_lns(ls: LocalSearch, pool: WorkerPool, deadline: float, max_cols: int = 
             meta = {"ub": cur, "backtrack_limit": backtracks, "seed": seed + it,
                     "time_limit_s": int(max(1, 2 * sub_limit_s))}
             reqs.append(Request(model.arrays, meta))
+        if time.perf_counter() >= deadline - 0.2:
+            break  # building the regions took the time left: no solve can finish
         stop = min(deadline, time.perf_counter() + sub_limit_s)
         answers = pool.run(reqs, stop)
         hit_limit = 0
