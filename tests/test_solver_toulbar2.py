@@ -192,6 +192,7 @@ def test_penalty_weights_from_memory_prices(monkeypatch):
     assert sol.feasible and sol.cost >= 217_039.0
     assert evaluate(p, sol.strategies) == (pytest.approx(sol.cost), True)
 
+
 def test_region_model_is_exact():
     """A region covering every node, knapsacks included, solves the whole problem."""
     from autopar.passes.solver.heuristic import LocalSearch, initial_strategies
@@ -264,7 +265,6 @@ def test_lagrangian_bound_is_valid(seed):
     assert lb >= stats.get("lp_bound", -np.inf) - 1e-6 * max(1.0, abs(want))
 
 
-
 def test_lagrangian_round_without_proof_is_solved_again_with_its_answers(monkeypatch):
     """A round whose subproblems toulbar2 did not prove is solved again at the same
     prices, each warm-started and bounded by the cheapest answer just found (on IOPDDL M
@@ -302,6 +302,7 @@ def test_lagrangian_round_without_proof_is_solved_again_with_its_answers(monkeyp
     for a, b in zip(first, again):
         np.testing.assert_array_equal(a.arrays["unary"], b.arrays["unary"])  # same prices
         assert "ub" in b.meta and "best" in b.arrays
+
 
 def _dense_problem(seed: int, limit: bool) -> ShardingProblem:
     """Like the compiler's layer problems on 2-D meshes: few nodes, dozens of strategies

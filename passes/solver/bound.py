@@ -111,8 +111,7 @@ def dual_prices(red: Reduced, deadline: float, ub: float, max_iters: int = 100_0
             gg = float(g @ g)
             if gg > 0:
                 mu = np.maximum(0.0, mu + step * max(ub - best, 1e-9 * abs(ub)) / gg * g)
-                cm = np.concatenate([[0.0], np.cumsum(mu)])
-                mu_term = np.repeat(np.where(memo, cm[b_n] - cm[a_n], 0.0), sizes) * du
+                mu_term = np.repeat(np.where(memo, red.live_sums(mu), 0.0), sizes) * du
         share = tot / share_div
         for g, (pu, pv) in zip(gs, phis):
             g["lu"] += damping * (pu - share[g["fu"]].reshape(pu.shape))

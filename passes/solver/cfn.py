@@ -133,7 +133,7 @@ def _knapsack_arrays(knapsacks: list[tuple[np.ndarray, list[np.ndarray], float]]
     lens = np.array([len(v) for v in p_val], np.int64)
     starts = np.concatenate([[0], np.cumsum(lens)])[:-1]
     ids = np.array(pid, np.int64)
-    cnt = lens[ids] if len(ids) else np.zeros(0, np.int64)
+    cnt = lens[ids]
     total = int(cnt.sum())
     # Term t of piece ids[i] sits at starts[ids[i]] + (t - first term of i).
     first = np.concatenate([[0], np.cumsum(cnt)])[:-1]
@@ -143,10 +143,10 @@ def _knapsack_arrays(knapsacks: list[tuple[np.ndarray, list[np.ndarray], float]]
     knap_of = np.repeat(np.arange(len(knapsacks)), n_of)
     per_knap = np.bincount(knap_of, weights=cnt, minlength=len(knapsacks)).astype(np.int64)
     return {
-        "kn_ptr": np.concatenate([[0], np.cumsum(per_knap)]).astype(np.int64),
+        "kn_ptr": np.concatenate([[0], np.cumsum(per_knap)]),
         "kn_var": np.repeat(np.array(p_var, np.int64)[ids], cnt),
-        "kn_val": flat_val[at].astype(np.int64),
-        "kn_coef": flat_coef[at].astype(np.int64),
+        "kn_val": flat_val[at],
+        "kn_coef": flat_coef[at],
         "kn_cap": np.array([int(np.floor(c * uscale)) for _v, _u, c in knapsacks], np.int64),
     }
 

@@ -59,8 +59,7 @@ def lagrangian_bound(problem: ShardingProblem, time_limit_s: float,
     mu = mu if len(mu) == ncp else np.zeros(ncp)
 
     def weights(m: np.ndarray) -> np.ndarray:
-        cm = np.concatenate([[0.0], np.cumsum(m)])
-        return np.where(pen.mem, cm[pen.b] - cm[pen.a], 0.0)
+        return np.where(pen.mem, red.live_sums(m), 0.0)
 
     center, center_val, center_g, warm = mu, -np.inf, None, None
     prev: list[np.ndarray] = []  # the last round's answers
@@ -87,12 +86,12 @@ def lagrangian_bound(problem: ShardingProblem, time_limit_s: float,
                 unary, off = pen.unary(weights(m))
                 arrays = {"unary": unary}
                 meta = {"seed": 1, "time_limit_s": int(max(1, round(slice_s)))}  # CPU s
-                if starts:  # the cheapest known answer under these prices bounds the search
-                    costs = [pen.model_cost(unary, x) for x in starts]
-                    k = int(np.argmin(costs))
-                    arrays["best"] = starts[k]
-                    if np.isfinite(costs[k]):
-                        meta["ub"] = costs[k] + 1.0
+                # The cheapest known answer under these prices bounds the search.
+                first, cut = pen.warm_start(unary, starts)
+                if first is not None:
+                    arrays["best"] = first
+                if cut is not None:
+                    meta["ub"] = cut
                 reqs.append(Request(arrays, meta, base=key, base_arrays=pen.edge_arrays))
                 offs.append(off)
             answers = pool.run(reqs, deadline - pool.grace_s)

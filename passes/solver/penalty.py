@@ -133,6 +133,17 @@ class Penalty:
                                                  + x[e[:, 1]]].sum())
         return c
 
+    def warm_start(self, unary: np.ndarray, starts: list[np.ndarray],
+                   ) -> tuple[np.ndarray | None, float | None]:
+        """The cheapest of `starts` under the scaled `unary` (toulbar2's first guess) and
+        its model cost + 1 (toulbar2's exclusive upper bound, None when that cost is
+        infinite); (None, None) without starts."""
+        if not starts:
+            return None, None
+        costs = [self.model_cost(unary, x) for x in starts]
+        k = int(np.argmin(costs))
+        return starts[k], (costs[k] + 1.0 if np.isfinite(costs[k]) else None)
+
     def usage(self, x: np.ndarray) -> np.ndarray:
         """Usage above the constant part at each checkpoint for choice x."""
         d = self.du[self.off[:-1] + x] * self.mem
@@ -249,13 +260,11 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
             arrays = {"unary": unary}
             starts = [x for x in (*prev, found["best"]) if x is not None]
             meta = {"time_limit_s": int(max(1, round(solve_s))), "lds": 4, "seed": seed + 1}
-            x0 = None
-            if starts:
-                costs = [pen.model_cost(unary, x) for x in starts]
-                x0 = starts[int(np.argmin(costs))]
+            x0, ub = pen.warm_start(unary, starts)
+            if x0 is not None:
                 arrays["best"] = x0
-                if np.isfinite(min(costs)):
-                    meta["ub"] = float(min(costs)) + 1.0
+            if ub is not None:
+                meta["ub"] = ub
             warm.append(x0)
             reqs.append(Request(arrays, meta, base=base_key, base_arrays=pen.edge_arrays))
         # toulbar2 stops itself after solve_s seconds of CPU time (a slice that does not

@@ -70,6 +70,12 @@ class Reduced:
     def num_strategies(self) -> int:
         return int(sum(c.size for c in self.costs))
 
+    def live_sums(self, per_checkpoint: np.ndarray) -> np.ndarray:
+        """Per node: the sum of `per_checkpoint` (one value per checkpoint, e.g. memory
+        prices) over the node's live checkpoints; 0 where the node is live nowhere."""
+        cm = np.concatenate([[0.0], np.cumsum(per_checkpoint)])
+        return cm[self.rng[:, 1]] - cm[self.rng[:, 0]]
+
     def expand(self, s_red) -> np.ndarray:
         """Maps a reduced-problem choice (local indices) to original strategy indices."""
         s = np.full(self.num_orig, -1, np.int64)

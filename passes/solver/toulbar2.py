@@ -221,8 +221,7 @@ def _price_weights(red: Reduced, cost: float, stop: float) -> tuple[np.ndarray |
     if not len(mu) or not np.all(np.isfinite(mu)) or mu.max() <= 0:
         stats["initial_weight"] = w = _initial_weight(red, cost)
         return w, stats
-    cm = np.concatenate([[0.0], np.cumsum(mu)])
-    live = cm[red.rng[:, 1]] - cm[red.rng[:, 0]]
+    live = red.live_sums(mu)
     w = PRICE_FACTOR * np.maximum(live, PRICE_FLOOR * live.max())
     stats["initial_weight"] = float(np.median(w))
     return w, stats
