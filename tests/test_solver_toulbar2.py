@@ -399,3 +399,28 @@ def test_memory_repair_fits_and_adds_no_forbidden_term():
     forb0 = ls.nforb
     assert repair_memory(ls, time.perf_counter() + 10)
     assert np.all(ls.use <= ls.cap) and ls.nforb <= forb0
+
+
+def test_worker_options_are_per_request():
+    """A request's toulbar2 options (meta "options") apply to that solve only; an unknown
+    option is an error answer naming it, not a crash or a silent default."""
+    import pytoulbar2
+
+    from autopar.passes.solver.cfn import reduced_model
+    from autopar.passes.solver.tb2_worker import TUNABLE_OPTIONS, solve_inline
+
+    red, _ = reduce_problem(random_problem(5, "tight"))
+    model = reduced_model(red, memory=True).arrays  # small: optimal under any setting
+    base = solve_inline(model, {"time_limit_s": 20})
+    assert base[1]["status"] == "optimal"
+    other = {"DEE": 0, "elimDegree": 0, "LcLevel": 1, "hbfs": 0}
+    assert set(other) == set(TUNABLE_OPTIONS)
+    got = solve_inline(model, {"time_limit_s": 20, "options": other})
+    assert got[1]["status"] == "optimal" and got[1]["cost"] == base[1]["cost"]
+    option = pytoulbar2.pytb2.option
+    assert (option.DEE, option.elimDegree, option.hbfs) == (0, 0, 0)
+    again = solve_inline(model, {"time_limit_s": 20})
+    assert again[1]["cost"] == base[1]["cost"]
+    assert (option.DEE, option.elimDegree, option.hbfs) == (1, 3, 1)  # back to autopar's
+    bad = solve_inline(model, {"time_limit_s": 20, "options": {"vnsKmax": 4}})
+    assert bad[0] == {} and bad[1]["status"] == "error" and "vnsKmax" in bad[1]["message"]

@@ -18,7 +18,9 @@ A model is integer-valued already (costs scaled by the caller, see cfn.py):
   best [n] (optional) value tried first by the search (a warm start)
 meta: ub (exclusive upper bound or null), time_limit_s (toulbar2's own CPU-time limit),
 backtrack_limit, lds, seed, base (name of a cached model this request patches: only its
-unary is sent), cache (name under which to keep this model).
+unary is sent), cache (name under which to keep this model), options (toulbar2 search
+settings other than autopar's, by name: see TUNABLE_OPTIONS; for experiments such as
+benchmarks/solver_tb2_settings.py).
 
 Interruption: the parent sends SIGVTALRM at its wall-clock deadline; toulbar2's timer
 handler catches it and Solve returns the best solution found so far.  The timer is
@@ -39,6 +41,14 @@ import time
 import numpy as np
 
 _HEADER = struct.Struct("<Q")
+# toulbar2 options a request may override (meta "options"), with the value every other
+# request gets: options are process-wide, so each solve sets all of them.
+TUNABLE_OPTIONS = {
+    "DEE": 1,  # dead-end elimination (1: in preprocessing and search)
+    "elimDegree": 3,  # variable elimination during search up to this degree
+    "LcLevel": 4,  # local consistency: 1 AC, 2 DAC, 3 FDAC, 4 EDAC (toulbar2's default)
+    "hbfs": 1,  # hybrid best-first search (0: depth-first branch and bound)
+}
 
 
 def encode(arrays: dict, meta: dict) -> bytes:
@@ -93,12 +103,16 @@ def _set_options(tb2, meta: dict) -> None:
     o.backtrackLimit = int(meta.get("backtrack_limit") or np.iinfo(np.int64).max)
     o.vac = 0
     o.useRASPS = 0
-    o.hbfs = 1
-    o.DEE = 1
-    o.elimDegree = 3
     o.elimDegree_preprocessing = -1
     o.searchMethod = 0
     o.solutionBasedPhaseSaving = True
+    extra = meta.get("options") or {}
+    unknown = sorted(set(extra) - set(TUNABLE_OPTIONS))
+    if unknown:
+        raise ValueError(f"toulbar2 options {unknown} cannot be set per request "
+                         f"(tunable: {sorted(TUNABLE_OPTIONS)})")
+    for name, default in TUNABLE_OPTIONS.items():
+        setattr(o, name, int(extra.get(name, default)))
 
 
 def _post(cfn, model: dict) -> None:
