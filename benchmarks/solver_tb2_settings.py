@@ -46,7 +46,7 @@ SETTINGS: dict[str, tuple[int, dict]] = {
     "AC instead of EDAC": (4, {"LcLevel": 1}),
     "depth-first B&B (no HBFS)": (4, {"hbfs": 0}),
 }
-SETTING_LIMIT_S = 13  # the loop's slice on S (PENALTY_ROUNDS over its ~160 s)
+SETTING_LIMIT_S = 13  # the loop's slice on S with 12 rounds (toulbar2.PENALTY_ROUNDS)
 AUTOPAR_LIMITS_S = (6, 26, 40)  # autopar's setting, also at these CPU-time limits
 
 
