@@ -68,8 +68,8 @@ def first_round_models(path: pathlib.Path, levels: int) -> tuple[Penalty, list, 
 def run(path: pathlib.Path, levels: int) -> tuple[list[dict], dict]:
     pen, unaries, info = first_round_models(path, levels)
     jobs = [(name, lds, opts, SETTING_LIMIT_S) for name, (lds, opts) in SETTINGS.items()]
-    lds0, opts0 = next(iter(SETTINGS.values()))
-    jobs += [(next(iter(SETTINGS)), lds0, opts0, t) for t in AUTOPAR_LIMITS_S]
+    autopar, (lds0, opts0) = next(iter(SETTINGS.items()))
+    jobs += [(autopar, lds0, opts0, t) for t in AUTOPAR_LIMITS_S]
     rows = []
     with WorkerPool(2, grace_s=1.5) as pool:
         pool.warm_up()
