@@ -202,8 +202,23 @@ H100_80GB = DeviceKind(
     node="AWS p5.48xlarge / NVIDIA DGX H100",
 )
 
+# --- NVIDIA H200 -------------------------------------------------------------------------------
+# NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM column: the H100's compute rates
+# (67 TFLOPS FP32, 989 TFLOPS TF32 / 1,979 BF16 / FP16 "with sparsity", i.e. the H100 figures
+# above when dense), 141GB HBM3e at 4.8 TB/s, NVLink 900 GB/s. `jax.Device.device_kind` reads
+# "NVIDIA H200"; nvidia-smi reports 143,771 MiB on the SXM part.
+H200_141GB = dataclasses.replace(
+    H100_80GB,
+    name="H200-141GB",
+    match=(r"H200",),
+    memory_bytes=141 * GiB,  # datasheet: 141GB HBM3e
+    memory_bandwidth_bytes_per_s=4800 * GB,  # datasheet: 4.8 TB/s
+    # AWS p5e.48xlarge (Amazon EC2 P5 instance page): 8x H200, 3,200 Gbps EFA.
+    node="AWS p5e.48xlarge / NVIDIA DGX H200",
+)
+
 DEVICE_KINDS: dict[str, DeviceKind] = {
-    k.name: k for k in (V100_16GB, V100_32GB, A100_40GB, A100_80GB, H100_80GB)
+    k.name: k for k in (V100_16GB, V100_32GB, A100_40GB, A100_80GB, H100_80GB, H200_141GB)
 }
 
 

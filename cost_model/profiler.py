@@ -410,7 +410,10 @@ def _time_matmul(mesh: Mesh, dtype: str, m: int, repeats: int) -> dict[str, Any]
     sharding = NamedSharding(mesh, spec)
     fn = jax.jit(jax.shard_map(lambda a: jnp.dot(a, a, preferred_element_type=dtype), mesh=mesh,
                                in_specs=spec, out_specs=spec, check_vma=False))
-    x = jax.jit(lambda: jnp.full((n * m, m), 0.5, dtype), out_shardings=sharding)()
+    # Random operands: GPUs multiply constant or zero matrices measurably faster (less
+    # switching power, higher clocks), which would overstate the peak.
+    x = jax.jit(lambda: jax.random.uniform(jax.random.key(0), (n * m, m), dtype, -1.0, 1.0),
+                out_shardings=sharding)()
     seconds = _median_time(fn, x, repeats)
     flops = 2.0 * m**3
     nbytes = 3 * m * m * jnp.dtype(dtype).itemsize

@@ -325,6 +325,13 @@ def test_from_devices_gpu_matches_table():
     assert ClusterSpec.from_devices(devs) == ClusterSpec.preset("8xV100-16GB")
     devs = [_FakeDevice("NVIDIA H100 80GB HBM3", 0) for _ in range(8)]
     assert ClusterSpec.from_devices(devs).device_kind == "H100-80GB"
+    h200 = ClusterSpec.from_devices([_FakeDevice("NVIDIA H200", 0)])
+    assert h200 == ClusterSpec.preset("1xH200-141GB")
+    h100 = ClusterSpec.preset("1xH100-80GB")
+    # Same compute as the H100 (datasheet), more and faster memory.
+    assert h200.peak_flops == h100.peak_flops
+    assert h200.memory_bandwidth_bytes_per_s / h100.memory_bandwidth_bytes_per_s == \
+        pytest.approx(4.8 / 3.35)
 
 
 def test_from_devices_errors():

@@ -1,0 +1,308 @@
+"""One accelerator, measured: the figures the CPU-only machines cannot give.
+
+    python -m benchmarks.gpu_check [--models gpt-125m:8,gpt-350m:8] [--steps 20] [--out DIR]
+
+Runs on the first device of `jax.devices()` (meant for one GPU; on a CPU it runs the same
+checks against ``cpu-local``, which is how its code is tested):
+
+1. **Profile against the preset.**  `autopar.cost_model.profile` on that device (matmul
+   FLOP/s per dtype on random operands, elementwise bandwidth; one device has no
+   collectives) beside the figures of the device's row in `cost_model/devices.py`
+   (`ClusterSpec.from_devices`), plus one float32 matmul at ``precision=HIGHEST`` (the
+   profile's float32 matmul runs at XLA's default precision: TF32 on Ampere and later GPUs).
+2. **Zoo models, one step each way.**  For each model at its batch: `jax.jit` of the step
+   (plain `jax.value_and_grad`, state donated) against `autopar.parallelize` (ShardParallel,
+   the cluster of the device), steps taken in turns, medians of ``--steps`` steps after
+   two warm-ups; the first step's losses compared; compiled per-device memory
+   (`memory_analysis()`: argument + output − alias + temp) of both programs against the
+   plan's `predicted.memory_bytes`; the plan's predicted step time under the preset and
+   under the profiled cluster (`autopar.plan`, offline) against the measured time; achieved
+   FLOP/s (the zoo's analytic FLOPs per step over the measured time).
+
+Writes ``<out>/gpu-<device kind>.{md,json}`` (default benchmarks/results), the JSON after
+every model, so a run cut short keeps what it measured.  A model that fails is reported
+with its error and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import platform
+import re
+import statistics
+import time
+import traceback
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import autopar
+from autopar.cost_model import ClusterSpec, hlo_audit
+from autopar.cost_model.jsonio import write_json_atomic
+from autopar.cost_model.profiler import profile
+from autopar.models import registry
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+DEFAULT_MODELS = "gpt-125m:8,gpt-350m:8,moe-380m:8,wrn-250m:32"
+MATMUL_SIZES = (2048, 4096, 8192)
+ELEMENTWISE_BYTES = (2**28, 2**30)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parse_models(text: str) -> list[tuple[str, int]]:
+    """"name:batch,name:batch" -> [(name, batch)]; ValueError naming a bad item."""
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, batch = item.partition(":")
+        if name not in registry.CONFIGS or not batch.isdigit() or int(batch) < 1:
+            raise ValueError(f"--models item {item!r}: want NAME:BATCH with NAME one of "
+                             f"{registry.names()} and BATCH a positive integer")
+        out.append((name, int(batch)))
+    return out
+
+
+# --- 1. profile ---------------------------------------------------------------------------------
+
+
+def _highest_f32_matmul(device, m: int, repeats: int) -> float:
+    """FLOP/s of an (m, m) @ (m, m) float32 matmul at precision HIGHEST (no TF32)."""
+    x = jax.device_put(jax.random.uniform(jax.random.key(1), (m, m), jnp.float32), device)
+    fn = jax.jit(lambda a: jnp.dot(a, a, precision=jax.lax.Precision.HIGHEST))
+    return 2.0 * m**3 / _median_s(lambda: fn(x), repeats)
+
+
+def _median_s(call, repeats: int) -> float:
+    jax.block_until_ready(call())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def profile_rows(device, preset: ClusterSpec, quick: bool) -> dict[str, Any]:
+    """Measured peak FLOP/s per dtype and bandwidth beside the preset's figures."""
+    sizes = (256,) if quick else MATMUL_SIZES
+    stream = (2**22,) if quick else ELEMENTWISE_BYTES
+    result = profile([device], dtypes=DTYPES, matmul_sizes=sizes, elementwise_bytes=stream,
+                     repeats=5 if quick else 20)
+    rows = []
+    for dtype in DTYPES:
+        for c in result.compute_samples:
+            if c["dtype"] == dtype:
+                rows.append({"op": c["op"], "dtype": dtype, "shape": c["shape"],
+                             "seconds": c["seconds"], "flops_per_s": c["flops_per_s"],
+                             "bytes_per_s": c["bytes_per_s"]})
+    m = sizes[-1]
+    highest = _highest_f32_matmul(device, m, 5 if quick else 20)
+    rows.append({"op": "matmul HIGHEST", "dtype": "float32", "shape": [m, m, m],
+                 "seconds": 2.0 * m**3 / highest, "flops_per_s": highest, "bytes_per_s": None})
+    measured = result.cluster
+    summary = [{"figure": f"{dtype} matmul FLOP/s", "preset": preset.peak_flops_per_s(dtype),
+                "measured": measured.peak_flops_per_s(dtype)} for dtype in DTYPES]
+    summary.append({"figure": "float32 matmul FLOP/s, precision HIGHEST",
+                    "preset": preset.peak_flops_per_s("float32"), "measured": highest})
+    summary.append({"figure": "memory bandwidth B/s (read + write)",
+                    "preset": preset.memory_bandwidth_bytes_per_s,
+                    "measured": measured.memory_bandwidth_bytes_per_s})
+    return {"rows": rows, "summary": summary, "cluster": measured}
+
+
+# --- 2. models ----------------------------------------------------------------------------------
+
+
+def _copy(tree):
+    return jax.tree_util.tree_map(jnp.copy, tree)
+
+
+def model_row(name: str, batch: int, device, preset: ClusterSpec, measured: ClusterSpec,
+              steps: int) -> dict[str, Any]:
+    """jax.jit against ShardParallel on `device` for zoo model `name` at `batch`."""
+    row: dict[str, Any] = {"model": name, "batch": batch}
+    t0 = time.perf_counter()
+    step, (abstract_state, abstract_batch) = registry.train_step_and_args(name, batch)
+    ref_step = registry.train_step_and_args(name, batch, value_and_grad=jax.value_and_grad)[0]
+    with jax.default_device(device):
+        state = registry.init_state(name)
+        data = registry.example_batch(name, batch)
+    row["params"] = registry.param_count(name)
+    row["flops_per_step"] = registry.flops_per_step(name, batch)
+
+    jit_step = jax.jit(ref_step, donate_argnums=0)
+    jit_mem = hlo_audit.MemoryUsage.of(jit_step.lower(state, data).compile())
+    par = autopar.parallelize(step, devices=[device], cluster=preset)
+    traced = par.trace(state, data)
+    plan = traced.plan
+    par_mem = hlo_audit.MemoryUsage.of(traced.lower().compile())
+    row["setup_s"] = time.perf_counter() - t0
+
+    s_jit, s_par = _copy(state), _copy(state)
+    s_jit, out_jit = jit_step(s_jit, data)
+    s_par, out_par = par(s_par, data)
+    loss_jit, loss_par = float(out_jit["loss"]), float(out_par["loss"])
+    row["loss_jit"], row["loss_autopar"] = loss_jit, loss_par
+    row["loss_rel_diff"] = abs(loss_par - loss_jit) / max(abs(loss_jit), 1e-30)
+    jax.block_until_ready((s_jit, s_par))
+    s_jit, _ = jit_step(s_jit, data)
+    s_par, _ = par(s_par, data)
+    times: dict[str, list[float]] = {"jit": [], "autopar": []}
+    for _ in range(steps):
+        for label in ("jit", "autopar"):
+            start = time.perf_counter()
+            if label == "jit":
+                s_jit, out = jit_step(s_jit, data)
+                jax.block_until_ready((s_jit, out))
+            else:
+                s_par, out = par(s_par, data)
+                jax.block_until_ready((s_par, out))
+            times[label].append(time.perf_counter() - start)
+    jit_s, par_s = statistics.median(times["jit"]), statistics.median(times["autopar"])
+    offline = autopar.plan(step, abstract_state, abstract_batch, cluster=measured)
+    stats = device.memory_stats() or {}
+    row.update({
+        "jit_step_s": jit_s, "autopar_step_s": par_s, "autopar_over_jit": par_s / jit_s,
+        "achieved_flops_per_s": row["flops_per_step"] / par_s,
+        "predicted_step_s_preset": plan.predicted.step_s,
+        "predicted_compute_s_preset": plan.predicted.compute_s,
+        "predicted_step_s_profiled": offline.predicted.step_s,
+        "predicted_memory_bytes": plan.predicted.memory_bytes,
+        "compiled_memory_autopar": dataclasses_dict(par_mem),
+        "compiled_memory_jit": dataclasses_dict(jit_mem),
+        # The allocator's peak over the whole process so far (the state lives three
+        # times: the initial copy and each program's): not a per-program figure.
+        "process_peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+        "search_s": plan.solver.get("search_s"),
+    })
+    return row
+
+
+def dataclasses_dict(mem: hlo_audit.MemoryUsage) -> dict[str, int]:
+    return {"argument": mem.argument_bytes, "output": mem.output_bytes,
+            "alias": mem.alias_bytes, "temp": mem.temp_bytes, "total": mem.total_bytes}
+
+
+# --- report -------------------------------------------------------------------------------------
+
+
+def _fmt(x: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    return "—" if x is None else f"{x / scale:,.{digits}f}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    lines = [f"# One {env['device_kind']}: profile, step time and memory", "",
+             f"`python -m benchmarks.gpu_check` on {env['device_kind']} "
+             f"({env['platform']}), jax {env['jax']}, {env['date']}; "
+             f"preset compared: `{env['preset']}` (cost_model/devices.py). ", ""]
+    prof = report.get("profile")
+    if prof:
+        lines += ["## Profile against the preset", "",
+                  "| figure | preset | measured | measured / preset |", "|---|---:|---:|---:|"]
+        for s in prof["summary"]:
+            unit = 1e12 if "FLOP" in s["figure"] else 1e9
+            name = s["figure"].replace("FLOP/s", "TFLOP/s").replace("B/s", "GB/s")
+            lines.append(f"| {name} | {_fmt(s['preset'], unit)} | {_fmt(s['measured'], unit)} "
+                         f"| {s['measured'] / s['preset']:.2f} |")
+        lines += ["", "| op | dtype | shape | ms | TFLOP/s | GB/s |",
+                  "|---|---|---|---:|---:|---:|"]
+        for r in prof["rows"]:
+            lines.append(f"| {r['op']} | {r['dtype']} | {'x'.join(map(str, r['shape']))} | "
+                         f"{r['seconds'] * 1e3:.3f} | {_fmt(r['flops_per_s'], 1e12, 2)} | "
+                         f"{_fmt(r['bytes_per_s'], 1e9)} |")
+        lines.append("")
+    models = report.get("models", [])
+    if models:
+        lines += ["## Train steps: jax.jit against ShardParallel, predictions against the run",
+                  "",
+                  "| model | batch | jax.jit ms | autopar ms | autopar / jit | loss rel. diff "
+                  "| achieved TFLOP/s | predicted ms (preset) | predicted / measured | "
+                  "predicted ms (profiled) | predicted / measured |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in models:
+            if "error" in r:
+                lines.append(f"| {r['model']} | {r['batch']} | error: {r['error']} |")
+                continue
+            m = r["autopar_step_s"]
+            lines.append(
+                f"| {r['model']} | {r['batch']} | {r['jit_step_s'] * 1e3:.2f} | {m * 1e3:.2f} | "
+                f"{r['autopar_over_jit']:.3f} | {r['loss_rel_diff']:.1e} | "
+                f"{_fmt(r['achieved_flops_per_s'], 1e12)} | "
+                f"{r['predicted_step_s_preset'] * 1e3:.2f} | "
+                f"{r['predicted_step_s_preset'] / m:.2f} | "
+                f"{r['predicted_step_s_profiled'] * 1e3:.2f} | "
+                f"{r['predicted_step_s_profiled'] / m:.2f} |")
+        lines += ["", "Per-device memory, GiB: the plan's prediction against the compiled "
+                  "programs (argument + output − alias + temp).", "",
+                  "| model | batch | predicted | autopar compiled | predicted / compiled | "
+                  "jax.jit compiled |", "|---|---:|---:|---:|---:|---:|"]
+        gib = 2.0**30
+        for r in models:
+            if "error" in r:
+                continue
+            comp = r["compiled_memory_autopar"]["total"]
+            lines.append(
+                f"| {r['model']} | {r['batch']} | {_fmt(r['predicted_memory_bytes'], gib, 2)} | "
+                f"{_fmt(comp, gib, 2)} | {r['predicted_memory_bytes'] / comp:.2f} | "
+                f"{_fmt(r['compiled_memory_jit']['total'], gib, 2)} |")
+        lines.append("")
+    if report.get("notes"):
+        lines += ["## Reading the numbers", ""] + [f"- {n}" for n in report["notes"]] + [""]
+    return "\n".join(lines)
+
+
+def write(report: dict[str, Any], out: pathlib.Path) -> pathlib.Path:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "gpu-" + re.sub(r"[^A-Za-z0-9.-]+", "-", report["environment"]["device_kind"]).strip("-")
+    write_json_atomic(out / f"{stem}.json", report)
+    (out / f"{stem}.md").write_text(markdown(report))
+    return out / f"{stem}.md"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=DEFAULT_MODELS,
+                    help=f"NAME:BATCH,... zoo models (default {DEFAULT_MODELS})")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per program")
+    ap.add_argument("--out", type=pathlib.Path, default=RESULTS, help="results folder")
+    ap.add_argument("--quick", action="store_true", help="small profile sizes (for tests)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the profile section")
+    args = ap.parse_args(argv)
+    models = parse_models(args.models)
+    device = jax.devices()[0]
+    preset = ClusterSpec.from_devices([device])
+    report: dict[str, Any] = {"environment": {
+        "device_kind": device.device_kind, "platform": device.platform, "jax": jax.__version__,
+        "python": platform.python_version(), "preset": preset.name,
+        "date": time.strftime("%Y-%m-%d", time.gmtime())}, "models": []}
+    measured = preset
+    if not args.no_profile:
+        t0 = time.perf_counter()
+        prof = profile_rows(device, preset, args.quick)
+        measured = prof.pop("cluster")
+        report["profile"] = {**prof, "wall_s": time.perf_counter() - t0}
+        print(f"profile done in {time.perf_counter() - t0:.1f} s", flush=True)
+        write(report, args.out)
+    for name, batch in models:
+        t0 = time.perf_counter()
+        try:
+            row = model_row(name, batch, device, preset, measured, args.steps)
+        except Exception as e:  # noqa: BLE001 - reported, and the next model runs
+            traceback.print_exc()
+            row = {"model": name, "batch": batch,
+                   "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        row["wall_s"] = time.perf_counter() - t0
+        report["models"].append(row)
+        print(f"{name} batch {batch}: {row.get('error') or 'done'} in {row['wall_s']:.1f} s",
+              flush=True)
+        write(report, args.out)
+    path = write(report, args.out)
+    print(path.read_text())
+    return int(any("error" in r for r in report["models"]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
