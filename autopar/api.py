@@ -19,6 +19,7 @@ from autopar.graph import Graph
 
 from . import (
     distributed,
+    inline,
     markers,
     microbatch,
     outer,
@@ -580,6 +581,7 @@ def trace(fun: Callable, dynamic: list, static: tuple, positions: list[int], in_
         traced_avals = abstract
     with markers.recording():
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*traced_avals)
+    closed = inline.run(closed)
     micro = closed
     if num_micro_batches > 1 and accumulate:
         # Single-mesh plans see every micro-batch (unrolled); pipelines only need one.

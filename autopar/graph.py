@@ -184,7 +184,9 @@ def _sort_flops(params: dict, ins: Sequence, outs: Sequence) -> float:
 ELEMENTWISE_ARITHMETIC: tuple[str, ...] = tuple((
     "add add_any sub mul div max min neg exp exp2 log log1p tanh logistic sin cos tan sqrt rsqrt "
     "cbrt pow integer_pow abs sign floor ceil round erf erfc erf_inv select_n clamp square "
-    "expm1 atan2 asin acos atan sinh cosh asinh acosh atanh rem nextafter is_finite"
+    "expm1 atan2 asin acos atan sinh cosh asinh acosh atanh rem nextafter is_finite "
+    # jax >= 0.11: tanh's derivative 1 - y² (jax.lax.one_minus_square) is its own primitive.
+    "one_minus_square"
 ).split())
 ELEMENTWISE: tuple[str, ...] = ELEMENTWISE_ARITHMETIC + tuple((
     "convert_element_type bitcast_convert_type reduce_precision copy copy_p stop_gradient "

@@ -136,6 +136,7 @@ def assign(jaxpr: jcore.Jaxpr, indices: Sequence[int], home: dict[Any, int]) -> 
     tiny = tiny_eqns(jaxpr, indices)
     producer = {v: i for i in tiny for v in jaxpr.eqns[i].outvars}
     rounds: dict[Any, int] = {}
+    made_on: dict[Any, int] = {}
     groups: dict[tuple[int, int], Segment] = {}
     needs: dict[tuple[int, int], set[int]] = collections.defaultdict(set)
     for i in indices:
@@ -152,8 +153,11 @@ def assign(jaxpr: jcore.Jaxpr, indices: Sequence[int], home: dict[Any, int]) -> 
         for v in ins:
             if v not in producer:
                 home.setdefault(v, stage)
-        # Values made before the segments run are available everywhere at round 0.
-        r = max([rounds[v] + (home[v] != stage) for v in ins if v in rounds], default=0)
+        # Values made before the segments run are available everywhere at round 0.  A value
+        # made on another stage is read a round later: that stage is where its equation ran,
+        # which need not be the value's home (one call equation, such as optax's jitted
+        # `tree_bias_correction` under jax >= 0.11, makes every stage's moments).
+        r = max([rounds[v] + (made_on[v] != stage) for v in ins if v in rounds], default=0)
         seg = groups.get((r, stage))
         if seg is None:
             seg = groups[(r, stage)] = Segment(stage, [])
@@ -162,6 +166,7 @@ def assign(jaxpr: jcore.Jaxpr, indices: Sequence[int], home: dict[Any, int]) -> 
         for v in eqn.outvars:
             home.setdefault(v, stage)
             rounds[v] = r
+            made_on[v] = stage
     _add_tiny(jaxpr, tiny, producer, groups, needs, home)
     for seg in groups.values():
         seg.eqns.sort()

@@ -236,12 +236,14 @@ def test_a_stage_input_moved_and_split_leaves_the_original_donatable():
     devices = np.array(jax.devices()[:8])
     owner = Mesh(devices[:4].reshape(2, 2), ("x", "y"))
     other = Mesh(devices[4:].reshape(2, 2), ("x", "y"))
-    x = jax.device_put(np.arange(64 * 32, dtype=np.float32).reshape(64, 32),
-                       NamedSharding(owner, PartitionSpec()))
+    host = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    x = jax.device_put(host, NamedSharding(owner, PartitionSpec()))
     split = NamedSharding(other, PartitionSpec(("x", "y"), None))
     moved = _stage_input(x, split)
     assert moved.sharding == split
-    np.testing.assert_array_equal(np.asarray(moved), np.asarray(x))
+    # Compared with the host copy: since jax 0.11 `np.asarray(x)` of a CPU array is a
+    # zero-copy view that itself keeps `x` from being donated.
+    np.testing.assert_array_equal(np.asarray(moved), host)
     update = jax.jit(lambda a: a * 2, donate_argnums=0)
     update(x)
     assert x.is_deleted()
