@@ -135,8 +135,7 @@ def assign(jaxpr: jcore.Jaxpr, indices: Sequence[int], home: dict[Any, int]) -> 
     reads their outputs; the copy on the outputs' home stage (or the first) owns them."""
     tiny = tiny_eqns(jaxpr, indices)
     producer = {v: i for i in tiny for v in jaxpr.eqns[i].outvars}
-    rounds: dict[Any, int] = {}
-    made_on: dict[Any, int] = {}
+    made: dict[Any, tuple[int, int]] = {}   # value -> (round, stage) of its equation
     groups: dict[tuple[int, int], Segment] = {}
     needs: dict[tuple[int, int], set[int]] = collections.defaultdict(set)
     for i in indices:
@@ -157,7 +156,7 @@ def assign(jaxpr: jcore.Jaxpr, indices: Sequence[int], home: dict[Any, int]) -> 
         # made on another stage is read a round later: that stage is where its equation ran,
         # which need not be the value's home (one call equation, such as optax's jitted
         # `tree_bias_correction` under jax >= 0.11, makes every stage's moments).
-        r = max([rounds[v] + (made_on[v] != stage) for v in ins if v in rounds], default=0)
+        r = max([made[v][0] + (made[v][1] != stage) for v in ins if v in made], default=0)
         seg = groups.get((r, stage))
         if seg is None:
             seg = groups[(r, stage)] = Segment(stage, [])
@@ -165,8 +164,7 @@ def assign(jaxpr: jcore.Jaxpr, indices: Sequence[int], home: dict[Any, int]) -> 
         needs[(r, stage)].update(producer[v] for v in ins if v in producer)
         for v in eqn.outvars:
             home.setdefault(v, stage)
-            rounds[v] = r
-            made_on[v] = stage
+            made[v] = (r, stage)
     _add_tiny(jaxpr, tiny, producer, groups, needs, home)
     for seg in groups.values():
         seg.eqns.sort()

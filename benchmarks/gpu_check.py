@@ -41,8 +41,9 @@ import jax.numpy as jnp
 import autopar
 from autopar.cost_model import ClusterSpec, hlo_audit
 from autopar.cost_model.jsonio import write_json_atomic
-from autopar.cost_model.profiler import profile
+from autopar.cost_model.profiler import _median_time, profile
 from autopar.models import registry
+from benchmarks.toy import _copy
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DEFAULT_MODELS = "gpt-125m:8,gpt-350m:8,moe-380m:8,wrn-250m:32"
@@ -70,17 +71,7 @@ def _highest_f32_matmul(device, m: int, repeats: int) -> float:
     """FLOP/s of an (m, m) @ (m, m) float32 matmul at precision HIGHEST (no TF32)."""
     x = jax.device_put(jax.random.uniform(jax.random.key(1), (m, m), jnp.float32), device)
     fn = jax.jit(lambda a: jnp.dot(a, a, precision=jax.lax.Precision.HIGHEST))
-    return 2.0 * m**3 / _median_s(lambda: fn(x), repeats)
-
-
-def _median_s(call, repeats: int) -> float:
-    jax.block_until_ready(call())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return 2.0 * m**3 / _median_time(fn, x, repeats)
 
 
 def profile_rows(device, preset: ClusterSpec, quick: bool) -> dict[str, Any]:
@@ -114,10 +105,6 @@ def profile_rows(device, preset: ClusterSpec, quick: bool) -> dict[str, Any]:
 # --- 2. models ----------------------------------------------------------------------------------
 
 
-def _copy(tree):
-    return jax.tree_util.tree_map(jnp.copy, tree)
-
-
 def model_row(name: str, batch: int, device, preset: ClusterSpec, measured: ClusterSpec,
               steps: int) -> dict[str, Any]:
     """jax.jit against ShardParallel on `device` for zoo model `name` at `batch`."""
@@ -139,25 +126,23 @@ def model_row(name: str, batch: int, device, preset: ClusterSpec, measured: Clus
     par_mem = hlo_audit.MemoryUsage.of(traced.lower().compile())
     row["setup_s"] = time.perf_counter() - t0
 
-    s_jit, s_par = _copy(state), _copy(state)
-    s_jit, out_jit = jit_step(s_jit, data)
-    s_par, out_par = par(s_par, data)
-    loss_jit, loss_par = float(out_jit["loss"]), float(out_par["loss"])
-    row["loss_jit"], row["loss_autopar"] = loss_jit, loss_par
-    row["loss_rel_diff"] = abs(loss_par - loss_jit) / max(abs(loss_jit), 1e-30)
-    jax.block_until_ready((s_jit, s_par))
-    s_jit, _ = jit_step(s_jit, data)
-    s_par, _ = par(s_par, data)
-    times: dict[str, list[float]] = {"jit": [], "autopar": []}
+    programs = {"jit": jit_step, "autopar": par}
+    states = {label: _copy(state) for label in programs}
+    losses = {}
+    for label, run in programs.items():
+        states[label], out = run(states[label], data)
+        losses[label] = float(out["loss"])
+    row["loss_jit"], row["loss_autopar"] = losses["jit"], losses["autopar"]
+    row["loss_rel_diff"] = (abs(losses["autopar"] - losses["jit"])
+                            / max(abs(losses["jit"]), 1e-30))
+    for label, run in programs.items():   # second warm-up step
+        states[label], _ = run(states[label], data)
+    times: dict[str, list[float]] = {label: [] for label in programs}
     for _ in range(steps):
-        for label in ("jit", "autopar"):
+        for label, run in programs.items():
             start = time.perf_counter()
-            if label == "jit":
-                s_jit, out = jit_step(s_jit, data)
-                jax.block_until_ready((s_jit, out))
-            else:
-                s_par, out = par(s_par, data)
-                jax.block_until_ready((s_par, out))
+            states[label], out = run(states[label], data)
+            jax.block_until_ready((states[label], out))
             times[label].append(time.perf_counter() - start)
     jit_s, par_s = statistics.median(times["jit"]), statistics.median(times["autopar"])
     offline = autopar.plan(step, abstract_state, abstract_batch, cluster=measured)
@@ -169,8 +154,8 @@ def model_row(name: str, batch: int, device, preset: ClusterSpec, measured: Clus
         "predicted_compute_s_preset": plan.predicted.compute_s,
         "predicted_step_s_profiled": offline.predicted.step_s,
         "predicted_memory_bytes": plan.predicted.memory_bytes,
-        "compiled_memory_autopar": dataclasses_dict(par_mem),
-        "compiled_memory_jit": dataclasses_dict(jit_mem),
+        "compiled_memory_autopar": _memory_terms(par_mem),
+        "compiled_memory_jit": _memory_terms(jit_mem),
         # The allocator's peak over the whole process so far (the state lives three
         # times: the initial copy and each program's): not a per-program figure.
         "process_peak_bytes_in_use": stats.get("peak_bytes_in_use"),
@@ -179,7 +164,7 @@ def model_row(name: str, batch: int, device, preset: ClusterSpec, measured: Clus
     return row
 
 
-def dataclasses_dict(mem: hlo_audit.MemoryUsage) -> dict[str, int]:
+def _memory_terms(mem: hlo_audit.MemoryUsage) -> dict[str, int]:
     return {"argument": mem.argument_bytes, "output": mem.output_bytes,
             "alias": mem.alias_bytes, "temp": mem.temp_bytes, "total": mem.total_bytes}
 
@@ -284,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         measured = prof.pop("cluster")
         report["profile"] = {**prof, "wall_s": time.perf_counter() - t0}
         print(f"profile done in {time.perf_counter() - t0:.1f} s", flush=True)
-        write(report, args.out)
+    path = write(report, args.out)
     for name, batch in models:
         t0 = time.perf_counter()
         try:
@@ -297,8 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         report["models"].append(row)
         print(f"{name} batch {batch}: {row.get('error') or 'done'} in {row['wall_s']:.1f} s",
               flush=True)
-        write(report, args.out)
-    path = write(report, args.out)
+        path = write(report, args.out)
     print(path.read_text())
     return int(any("error" in r for r in report["models"]))
 
