@@ -14,6 +14,7 @@ equation index: a value is live from its producing equation (inputs: time 0) to 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -62,13 +63,14 @@ class Value:
     def ndim(self) -> int:
         return len(self.shape)
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        """Bytes of the whole (unsharded) value."""
+        """Bytes of the whole (unsharded) value (cached: the stage search asks it millions
+        of times)."""
         return self.size * itemsize(self.dtype)
 
 

@@ -43,6 +43,7 @@ from autopar.cost_model import ClusterSpec
 from autopar.passes.inter_op import equal_ranges
 from autopar.passes.sharding_spec import MeshContext, Spec, replicated, state_split
 from autopar.pipeline_planner import (
+    LAYER_RETRY_TIME_LIMIT_S,
     LAYER_TIME_LIMIT_S,
     _Priced,
     gather_after_update_s,
@@ -192,6 +193,7 @@ class Pricer:
             input_rule = None if rule == "auto" else self._input_rule(w, param_rule(rule))
             priced = price_stage(w.graph, w.layers[layer], w.diff, self.cluster, submesh,
                                  solver="auto", time_limit_s=LAYER_TIME_LIMIT_S,
+                                 retry_time_limit_s=LAYER_RETRY_TIME_LIMIT_S,
                                  batch_size=w.micro_batch, shapes=[mesh_shape],
                                  input_rule=input_rule, remat=w.split.remat,
                                  num_micro_batches=w.num_micro_batches)

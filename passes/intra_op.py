@@ -128,7 +128,8 @@ def start(graph: Graph, mesh: MeshContext, *,
           comm_scale: Mapping[int, float] | None = None,
           traffic: Mapping[int, float] | None = None,
           value_costs: Mapping[int, Callable[[Spec], float]] | None = None,
-          submit: Submit | None = None) -> PendingRun:
+          submit: Submit | None = None,
+          retry_time_limit_s: float | None = None) -> PendingRun:
     """`run` in two halves: builds the problem now and, given `submit`, hands it to a
     solver running elsewhere; `.result()` waits for the answer and reads the plan off it
     (re-solving here with the memory rows if the answer does not fit the budget).
@@ -152,6 +153,9 @@ def start(graph: Graph, mesh: MeshContext, *,
         for work outside the program (e.g. a parameter's all-gather after an update on
         its ZeRO split, amortized over the micro-batches).
       submit: where to solve (default: here, when `.result()` is called).
+      retry_time_limit_s: with a short `time_limit_s`, the limit of one more solve when the
+        first answer is not known to be within RETRY_GAP of the optimum (`unproven`): the
+        exact solver had no time for it, as on a loaded machine.
     """
     t0 = time.perf_counter()
     builder = _built(graph, mesh, forced, ties, batch_size, comm_scale)
@@ -164,7 +168,7 @@ def start(graph: Graph, mesh: MeshContext, *,
     future = (submit(problem, time_limit_s=time_limit_s, backend=solver)
               if submit is not None else None)
     return PendingRun(graph, mesh, builder, problem, future, t_build, tuple(ties),
-                      memory_budget_bytes, solver, time_limit_s)
+                      memory_budget_bytes, solver, time_limit_s, submit, retry_time_limit_s)
 
 
 @dataclasses.dataclass
@@ -181,6 +185,8 @@ class PendingRun:
     memory_budget_bytes: float | None
     solver: Backend
     time_limit_s: float
+    submit: Submit | None = None
+    retry_time_limit_s: float | None = None
 
     def result(self) -> IntraOpResult:
         graph, mesh, builder, problem = self.graph, self.mesh, self.builder, self.problem
@@ -188,8 +194,32 @@ class PendingRun:
         memory_budget_bytes = self.memory_budget_bytes
         solution = (self.future.result() if self.future is not None else
                     solve(problem, time_limit_s=time_limit_s, backend=solver))
+        retry = self.retry_time_limit_s
+        if retry is not None and retry > time_limit_s and unproven(solution):
+            again = (self.submit(problem, time_limit_s=retry, backend=solver).result()
+                     if self.submit is not None else
+                     solve(problem, time_limit_s=retry, backend=solver))
+            if again.feasible and (not solution.feasible or again.cost <= solution.cost):
+                again.stats["retried_after"] = solution.status
+                solution = again
         return _finish(graph, mesh, builder, problem, solution, self.build_s, self.ties,
                        memory_budget_bytes, solver, time_limit_s)
+
+
+RETRY_GAP = 0.01
+"""`unproven`: the relative gap between an answer's cost and its lower bound above which a
+short solve is worth repeating with more time."""
+
+
+def unproven(solution: Solution) -> bool:
+    """Whether `solution` may be more than RETRY_GAP above the optimum: the heuristic's
+    answer (the exact solver found nothing in time), or an exact solver's answer whose lower
+    bound is unknown or further than that below it."""
+    if solution.status == "optimal":
+        return False
+    if solution.status == "fallback" or solution.lower_bound is None:
+        return True
+    return solution.cost - solution.lower_bound > RETRY_GAP * abs(solution.cost)
 
 
 def _finish(graph: Graph, mesh: MeshContext, builder: _ProblemBuilder,

@@ -8,6 +8,7 @@ A `Spec` gives, for every tensor dim, the tuple of logical mesh axes that split 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -69,7 +70,15 @@ class MeshContext:
 
     def shards(self, spec: Spec) -> int:
         """Number of pieces a value with `spec` is cut into."""
-        return math.prod(self.size(a) for dim in spec for a in dim)
+        n = self._shards.get(spec)
+        if n is None:
+            n = self._shards[spec] = math.prod(self.size(a) for dim in spec for a in dim)
+        return n
+
+    @functools.cached_property
+    def _shards(self) -> dict[Spec, int]:
+        """`shards` memo (the stage search asks it millions of times)."""
+        return {}
 
     def dim_shards(self, axes: Sequence[str]) -> int:
         return math.prod(self.size(a) for a in axes)

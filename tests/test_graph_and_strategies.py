@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -287,3 +289,52 @@ def test_intra_op_is_never_worse_than_forced_baselines():
     for e in graph.eqns:
         if e.name == "dot_general":
             assert any(auto.value_specs[e.outputs[0]]), e
+
+
+def test_an_unproven_short_solve_is_solved_again_with_more_time():
+    """A short layer solve whose answer is not proved near the optimum (the heuristic's,
+    as on a loaded machine) is solved once more with `retry_time_limit_s`; the better
+    answer is kept.  A proved one is not solved again."""
+    import dataclasses
+    from concurrent.futures import Future
+
+    from autopar.passes import intra_op
+    from autopar.passes.solver import solve
+
+    def mlp(x, w1, w2):
+        return jnp.sum(jnp.tanh(x @ w1) @ w2)
+
+    graph = _graph(mlp, jnp.ones((64, 32)), jnp.ones((32, 128)), jnp.ones((128, 32)))
+    limits: list[float] = []
+
+    def submit(problem, *, time_limit_s, backend, first_status="fallback"):
+        limits.append(time_limit_s)
+        sol = solve(problem, time_limit_s=time_limit_s, backend=backend)
+        if len(limits) == 1:
+            sol = dataclasses.replace(sol, status=first_status, lower_bound=None,
+                                      stats={"first": True})
+        fut: Future = Future()
+        fut.set_result(sol)
+        return fut
+
+    res = intra_op.start(graph, MESH_1D, submit=submit, time_limit_s=1.0,
+                         retry_time_limit_s=5.0).result()
+    assert limits == [1.0, 5.0]
+    assert res.solution.stats["retried_after"] == "fallback"
+    assert res.solution.status == "optimal"
+
+    limits.clear()
+    res = intra_op.start(graph, MESH_1D, submit=functools.partial(submit,
+                                                                  first_status="optimal"),
+                         time_limit_s=1.0, retry_time_limit_s=5.0).result()
+    assert limits == [1.0] and res.solution.stats == {"first": True}
+
+
+@pytest.mark.parametrize(("status", "cost", "bound", "want"), [
+    ("optimal", 1.0, 1.0, False), ("fallback", 1.0, 1.0, True), ("feasible", 1.0, None, True),
+    ("feasible", 1.0, 0.995, False), ("feasible", 1.0, 0.98, True)])
+def test_unproven_answers(status, cost, bound, want):
+    from autopar.passes.intra_op import unproven
+    from autopar.passes.solver import Solution
+
+    assert unproven(Solution((0,), cost, bound, status, 0.1)) is want

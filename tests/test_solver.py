@@ -20,10 +20,13 @@ from autopar.passes.solver import (
     load_iopddl,
     solve,
 )
+from autopar.passes.solver.problem import cost_scale, scale_costs
 from autopar.passes.solver.reduce import reduce_problem
 
 IOPDDL = pathlib.Path(__file__).resolve().parent / "data"  # see data/README.md
 EXAMPLE = IOPDDL / "example.json"
+LAYER = IOPDDL / "gpt-toy-layer-2dev.json.gz"
+LAYER_OPTIMUM = 1.4836031988153093e-06  # seconds; toulbar2, HiGHS and CBC agree
 BACKENDS = (["cbc"] + (["highs"] if importlib.util.find_spec("highspy") else [])
             + (["toulbar2"] if importlib.util.find_spec("pytoulbar2") else []))
 
@@ -120,6 +123,37 @@ def test_example_optimum(backend):
     sol = solve(p, time_limit_s=10.0, backend=backend)
     assert sol.status == "optimal" and sol.feasible
     assert sol.cost == want
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_costs_in_seconds_reach_the_optimum(backend):
+    """autopar's own problems are priced in seconds (here 1e-10 to 1e-7 per choice), under
+    the MIP solvers' absolute tolerances; solve() scales them first.  Unscaled, HiGHS
+    called an answer 4.2% above this layer problem's optimum optimal."""
+    p = load_iopddl(LAYER)
+    assert cost_scale(p) > 1.0
+    sol = solve(p, time_limit_s=30.0, backend=backend)
+    assert sol.status == "optimal" and sol.feasible
+    assert sol.cost == pytest.approx(LAYER_OPTIMUM, rel=1e-9)
+    assert sol.lower_bound == pytest.approx(LAYER_OPTIMUM, rel=1e-6)
+    assert sol.stats["cost_scale"] == cost_scale(p)
+
+
+def test_cost_scale_is_a_power_of_two_that_keeps_forbidden_choices():
+    p = random_problem(7, "loose", forbid=0.3)  # feasible: optimum 423
+    for base in (p, scale_costs(p, 2.0 ** -40)):
+        k = cost_scale(base)
+        assert np.log2(k) == int(np.log2(k)) and k > 1.0
+        up = scale_costs(base, k)
+        top = max(float(c[c < INFINITE_COST].max(initial=0.0))
+                  for c in (*up.node_costs, *up.edge_costs))
+        assert 2.0 ** 20 <= top < 2.0 ** 21 and cost_scale(up) == 1.0
+        for a, c in zip((*base.node_costs, *base.edge_costs), (*up.node_costs, *up.edge_costs)):
+            np.testing.assert_array_equal(a, np.where(a < INFINITE_COST, c / k, c))
+    assert any((c >= INFINITE_COST).any() for c in p.edge_costs)
+    tiny = scale_costs(p, 2.0 ** -40)
+    assert solve(tiny, time_limit_s=10.0).cost == pytest.approx(2.0 ** -40 * brute_force(p))
+    assert cost_scale(load_iopddl(EXAMPLE)) == 2.0 ** 14  # largest cost 95: 1.56 M
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -22,7 +22,7 @@ from autopar.passes.solver.bound import dual_bound
 from autopar.passes.solver.evaluate import evaluate
 from autopar.passes.solver.heuristic import heuristic
 from autopar.passes.solver.ilp import SECONDS_PER_NONZERO, model_nonzeros, solve_ilp
-from autopar.passes.solver.problem import ShardingProblem, Solution
+from autopar.passes.solver.problem import ShardingProblem, Solution, cost_scale, scale_costs
 from autopar.passes.solver.reduce import reduce_problem
 
 # Fraction of the remaining time the heuristic gets before the ILP when the ILP fits.
@@ -68,13 +68,18 @@ def solve(
     requested, backend = backend, resolve_backend(backend, problem.num_nodes)
     deadline = t0 + 0.91 * time_limit_s - 0.05  # contest: loading counts, finish by 0.95x
     stats: dict = {"backend": backend}
-    red, rstats = reduce_problem(problem)
+    # The solvers see costs of a sane magnitude (problem.COST_FLOOR); answers are priced on
+    # `problem` itself, bounds scaled back.
+    k = cost_scale(problem)
+    if k != 1.0:
+        stats["cost_scale"] = k
+    red, rstats = reduce_problem(scale_costs(problem, k))
     stats.update(rstats)
     t_red = time.perf_counter()
     stats["reduce_seconds"] = t_red - t0
     if backend == "toulbar2":
         if red.num_nodes == 0 or deadline - t_red >= TOULBAR2_MIN_S:
-            return _solve_toulbar2(problem, red, deadline, threads, verbose, stats, t0)
+            return _solve_toulbar2(problem, red, k, deadline, threads, verbose, stats, t0)
         # Too short for worker processes: the ILP path (HiGHS when installed, else CBC).
         stats["toulbar2_skipped"] = (f"{deadline - t_red:.2f} s left after reductions, "
                                      f"toulbar2 needs {TOULBAR2_MIN_S} s")
@@ -87,7 +92,7 @@ def solve(
         stats["backend"] = "toulbar2"
         stats["auto"] = (f"ILP of {nz:,} nonzeros (~{nz * SECONDS_PER_NONZERO:.1f} s): "
                          "toulbar2 in process")
-        return _solve_toulbar2(problem, red, deadline, 1, verbose, stats, t0, inline=True)
+        return _solve_toulbar2(problem, red, k, deadline, 1, verbose, stats, t0, inline=True)
     ilp_fits = red.num_nodes > 0 and nz * SECONDS_PER_NONZERO < 0.5 * remaining
     h_deadline = deadline
     if ilp_fits:
@@ -109,10 +114,10 @@ def solve(
     status = "optimal" if red.num_nodes == 0 else "fallback"
     lower = best_cost if red.num_nodes == 0 else None
     if not ilp_fits and red.num_nodes > 1 and best_ok:
-        lb, bstats = dual_bound(red, deadline, best_cost - red.offset)
+        lb, bstats = dual_bound(red, deadline, best_cost * k - red.offset)
         stats.update(bstats)
         if np.isfinite(lb):
-            lower = min(lb + red.offset, best_cost)
+            lower = min((lb + red.offset) / k, best_cost)
     stats["ilp"] = "skipped (model too large for the time left)" if not ilp_fits else "run"
     if ilp_fits:
         res = solve_ilp(red, backend, deadline, s_h, threads, verbose)
@@ -128,7 +133,7 @@ def solve(
             if status == "optimal":
                 lower = best_cost
         if status != "optimal" and res.get("bound") is not None:
-            lower = res["bound"] + red.offset
+            lower = (res["bound"] + red.offset) / k
     stats["ilp_seconds"] = time.perf_counter() - t_h
     return _finish(problem, best, best_cost, best_ok, lower, status, stats, t0, verbose)
 
@@ -160,7 +165,7 @@ def _toulbar2_inline(red, nonzeros: int, seconds_left: float) -> bool:
             and exact_fits(red))
 
 
-def _solve_toulbar2(problem: ShardingProblem, red, deadline: float, threads: int,
+def _solve_toulbar2(problem: ShardingProblem, red, k: float, deadline: float, threads: int,
                     verbose: bool, stats: dict, t0: float, seed: int = 0,
                     inline: bool = False) -> Solution:
     from autopar.passes.solver.toulbar2 import solve_toulbar2  # noqa: PLC0415
@@ -178,7 +183,7 @@ def _solve_toulbar2(problem: ShardingProblem, red, deadline: float, threads: int
     if status == "optimal" and ok:
         lower = cost
     elif lb is not None:
-        lower = min(lb + red.offset, cost)
+        lower = min((lb + red.offset) / k, cost)
         if ok and lower >= cost:
             # toulbar2 proved nothing cheaper than the local-search answer exists.
             status = "optimal"
