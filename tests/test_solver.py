@@ -20,8 +20,9 @@ from autopar.passes.solver import (
     load_iopddl,
     solve,
 )
-from autopar.passes.solver.problem import cost_scale, scale_costs
+from autopar.passes.solver.problem import scale_costs
 from autopar.passes.solver.reduce import reduce_problem
+from autopar.passes.solver.solve import cost_scale
 
 IOPDDL = pathlib.Path(__file__).resolve().parent / "data"  # see data/README.md
 EXAMPLE = IOPDDL / "example.json"

@@ -20,10 +20,10 @@ SolveStatus = Literal["optimal", "feasible", "fallback"]
 # Costs at or above this are forbidden choices (XLA's "infinity" in the contest files).
 INFINITE_COST = 1e18
 # solve() scales costs whose largest finite magnitude is below this up by a power of two
-# into [COST_FLOOR, 2 x COST_FLOOR): autopar's own problems are priced in seconds (1e-9 to
-# 1e-5 per node), below the MIP solvers' absolute tolerances (HiGHS: mip_abs_gap 1e-6,
-# primal and dual feasibility 1e-7), which then stop at "optimal" answers several percent
-# off the optimum.
+# into [COST_FLOOR, 2 x COST_FLOOR) (`solve.cost_scale`): autopar's own problems are priced
+# in seconds (1e-10 to 1e-7 per choice on a gpt-toy layer), below the MIP solvers' absolute
+# tolerances (HiGHS: mip_abs_gap 1e-6, primal and dual feasibility 1e-7), which then stop
+# at "optimal" answers several percent off the optimum (4.2% on that layer).
 COST_FLOOR = 2.0 ** 20
 
 
@@ -96,19 +96,6 @@ class ShardingProblem:
     def num_strategies(self) -> np.ndarray:
         """int64 array [N]: the number of strategies of each node."""
         return np.array([c.size for c in self.node_costs], dtype=np.int64)
-
-
-def cost_scale(p: ShardingProblem) -> float:
-    """The power of two solve() multiplies `p`'s costs by (1.0 when the largest finite
-    magnitude is already at least COST_FLOOR, or every cost is zero or forbidden)."""
-    top = 0.0
-    for c in (*p.node_costs, *p.edge_costs):
-        fin = np.abs(c[c < INFINITE_COST])
-        if fin.size:
-            top = max(top, float(fin.max()))
-    if top <= 0.0 or top >= COST_FLOOR:
-        return 1.0
-    return float(2.0 ** int(np.ceil(np.log2(COST_FLOOR / top))))
 
 
 def scale_costs(p: ShardingProblem, k: float) -> ShardingProblem:

@@ -19,10 +19,16 @@ from autopar.passes.solver.backend import (
     resolve_backend,
 )
 from autopar.passes.solver.bound import dual_bound
-from autopar.passes.solver.evaluate import evaluate
+from autopar.passes.solver.evaluate import evaluate, flat
 from autopar.passes.solver.heuristic import heuristic
 from autopar.passes.solver.ilp import SECONDS_PER_NONZERO, model_nonzeros, solve_ilp
-from autopar.passes.solver.problem import ShardingProblem, Solution, cost_scale, scale_costs
+from autopar.passes.solver.problem import (
+    COST_FLOOR,
+    INFINITE_COST,
+    ShardingProblem,
+    Solution,
+    scale_costs,
+)
 from autopar.passes.solver.reduce import reduce_problem
 
 # Fraction of the remaining time the heuristic gets before the ILP when the ILP fits.
@@ -136,6 +142,18 @@ def solve(
             lower = (res["bound"] + red.offset) / k
     stats["ilp_seconds"] = time.perf_counter() - t_h
     return _finish(problem, best, best_cost, best_ok, lower, status, stats, t0, verbose)
+
+
+def cost_scale(p: ShardingProblem) -> float:
+    """The power of two solve() multiplies `p`'s costs by (1.0 when the largest finite
+    magnitude is already at least COST_FLOOR, or every cost is zero or forbidden).  Reads
+    the flat cost tables `evaluate` prices the answer with (built once per problem)."""
+    f = flat(p)
+    costs = np.concatenate([f.cost, f.ecost])
+    top = float(np.abs(costs[costs < INFINITE_COST]).max(initial=0.0))
+    if top <= 0.0 or top >= COST_FLOOR:
+        return 1.0
+    return float(2.0 ** int(np.ceil(np.log2(COST_FLOOR / top))))
 
 
 def _finish(problem: ShardingProblem, best, cost: float, ok: bool, lower: float | None,
