@@ -15,6 +15,7 @@ input's spec for that output, and the edge prices the resharding that costs.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import time
@@ -129,7 +130,8 @@ def start(graph: Graph, mesh: MeshContext, *,
           traffic: Mapping[int, float] | None = None,
           value_costs: Mapping[int, Callable[[Spec], float]] | None = None,
           submit: Submit | None = None,
-          retry_time_limit_s: float | None = None) -> PendingRun:
+          retry_time_limit_s: float | None = None,
+          builds: BuildCache | None = None) -> PendingRun:
     """`run` in two halves: builds the problem now and, given `submit`, hands it to a
     solver running elsewhere; `.result()` waits for the answer and reads the plan off it
     (re-solving here with the memory rows if the answer does not fit the budget).
@@ -156,9 +158,13 @@ def start(graph: Graph, mesh: MeshContext, *,
       retry_time_limit_s: with a short `time_limit_s`, the limit of one more solve when the
         first answer is not known to be within RETRY_GAP of the optimum (`unproven`): the
         exact solver had no time for it, as on a loaded machine.
+      builds: where to keep the built problem for later calls on the same graph and mesh
+        that differ only in `traffic` and `value_costs` (`BuildCache`).
     """
     t0 = time.perf_counter()
-    builder = _built(graph, mesh, forced, ties, batch_size, comm_scale)
+    builder = (builds.builder(graph, mesh, forced, ties, batch_size, comm_scale)
+               if builds is not None else _built(graph, mesh, forced, ties, batch_size,
+                                                 comm_scale))
     builder.add_traffic(traffic or {})
     builder.add_value_costs(value_costs or {})
     # Solve without the memory rows first: most plans fit, and the unconstrained problem
@@ -367,6 +373,37 @@ def fit_budget(builder: _ProblemBuilder, budget_bytes: float, unconstrained: Sol
     return Fitted(best[0], best[1], smallest, solves)
 
 
+class BuildCache:
+    """Built problems (`start` before `traffic` and `value_costs`) kept for reuse.
+
+    A stage search prices each layer on each sub-mesh twice, time-optimal and memory-lean
+    (`autopar.pipeline_planner`): the two problems differ only in the parameters' value
+    costs, so the second call copies the first one's groups instead of enumerating every
+    equation's strategies again.  Entries match on the graph object (identity), the mesh
+    (equality) and the other build inputs; the cache lives as long as its owner (one
+    search).
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, list[tuple[Graph, MeshContext, _ProblemBuilder]]] = {}
+        self.hits = 0
+
+    def builder(self, graph: Graph, mesh: MeshContext, forced: Mapping[int, Spec] | None,
+                ties: Sequence[tuple[int, int]], batch_size: int | None,
+                comm_scale: Mapping[int, float] | None) -> _ProblemBuilder:
+        """A fresh copy of `_built(...)` for these inputs, built on the first call."""
+        key = (id(graph), mesh.shape, tuple(sorted((forced or {}).items())),
+               tuple(map(tuple, ties)), batch_size, tuple(sorted((comm_scale or {}).items())))
+        entries = self._entries.setdefault(key, [])
+        for g, m, base in entries:
+            if g is graph and m == mesh:
+                self.hits += 1
+                return base.fork()
+        base = _built(graph, mesh, forced, ties, batch_size, comm_scale)
+        entries.append((graph, mesh, base))
+        return base.fork()
+
+
 def _built(graph: Graph, mesh: MeshContext, forced: Mapping[int, Spec] | None,
            ties: Sequence[tuple[int, int]], batch_size: int | None,
            comm_scale: Mapping[int, float] | None = None) -> _ProblemBuilder:
@@ -423,6 +460,14 @@ class _ProblemBuilder:
         self._buffers: mem.BufferInfo | None = None
         self.aliased: set[int] = set()   # outputs written into their donated input
         self.tie_pairs: list[tuple[int, int]] = []  # (output value, input value it replaces)
+
+    def fork(self) -> _ProblemBuilder:
+        """A copy that `add_traffic` / `add_value_costs` can change without touching this
+        one (the groups' compute costs are copied; everything else, fixed once built, is
+        shared)."""
+        out = copy.copy(self)
+        out.groups = [dataclasses.replace(g, compute_s=g.compute_s.copy()) for g in self.groups]
+        return out
 
     # -- groups -----------------------------------------------------------------------------
 

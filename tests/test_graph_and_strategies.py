@@ -338,3 +338,37 @@ def test_unproven_answers(status, cost, bound, want):
     from autopar.passes.solver import Solution
 
     assert unproven(Solution((0,), cost, bound, status, 0.1)) is want
+
+
+def test_build_cache_reuses_a_build_without_sharing_value_costs():
+    """`intra_op.BuildCache`: a second `start` on the same graph and an equal mesh reuses
+    the first build; each call's value costs (a lean solve's penalty, say) reach only its
+    own problem, which equals the one an uncached `start` builds."""
+    from autopar.passes import intra_op
+
+    def mlp(x, w1, w2):
+        return jnp.sum(jnp.tanh(x @ w1) @ w2)
+
+    graph = _graph(mlp, jnp.ones((64, 32)), jnp.ones((32, 128)), jnp.ones((128, 32)))
+    w1 = graph.invars[1]
+    lean = {w1: lambda spec: 0.0 if any(spec) else 1.0}   # replicated w1 pays 1 s
+    cache = intra_op.BuildCache()
+    kw = dict(time_limit_s=5.0, traffic={w1: 3.0})
+    for costs in ({}, lean, {}):
+        mesh = MeshContext.build((8,), CLUSTER)            # equal, not the same object
+        cached = intra_op.start(graph, mesh, value_costs=costs, builds=cache, **kw).problem
+        plain = intra_op.start(graph, MESH_1D, value_costs=costs, **kw).problem
+        assert len(cached.node_costs) == len(plain.node_costs)
+        for a, b in zip(cached.node_costs, plain.node_costs):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(cached.edge_costs, plain.edge_costs):
+            np.testing.assert_array_equal(a, b)
+    assert cache.hits == 2
+    # The lean call's penalty is in its problem only.
+    with_lean = intra_op.start(graph, MESH_1D, value_costs=lean, builds=cache, **kw).problem
+    without = intra_op.start(graph, MESH_1D, builds=cache, **kw).problem
+    assert max(float(np.max(a - b)) for a, b in zip(with_lean.node_costs,
+                                                     without.node_costs)) == 1.0
+    # Another mesh is another build.
+    intra_op.start(graph, MESH_2D, builds=cache, **kw)
+    assert cache.hits == 4
