@@ -24,7 +24,8 @@ import functools
 import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from autopar.cost_model import ClusterSpec, Link
 from autopar.cost_model.collectives import combined_alpha_share, send_recv_s
@@ -308,11 +309,10 @@ def updates_s(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgra
     if per_layer:
         held = [(spec, p.mesh, vid) for p, prog in zip(priced, programs)
                 for vid, spec in zip(prog.inputs, p.input_specs) if vid in params]
-    else:
-        held = [(spec, mesh, vid) for vid, (spec, mesh) in
-                param_layouts(priced, programs, params).items()]
-    return sum(split.cost_s(spec, graph.values[vid].shape, graph.values[vid].nbytes, mesh)
-               for spec, mesh, vid in held) / num_micro_batches
+        return sum(split.cost_s(spec, graph.values[vid].shape, graph.values[vid].nbytes,
+                                mesh) for spec, mesh, vid in held) / num_micro_batches
+    return _once_each(_layer_updates_s(p, prog, params, graph, split)
+                      for p, prog in zip(priced, programs)) / num_micro_batches
 
 
 # Seconds added to a parameter layout that is not cut as finely as it can be, in a lean
@@ -858,13 +858,20 @@ def held_param_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.Stag
     """Parameter bytes per device of a stage made of these layer solutions (a parameter
     read by several layers counts once, at the layout of the first); with `shard_state`,
     at its state layout (the bytes of parameter the device updates and holds state for)."""
+    return _once_each(_layer_param_bytes(p, prog, params, graph, shard_state)
+                      for p, prog in zip(priced, programs))
+
+
+def _once_each(layers: Iterable[list[tuple[int, float]]]) -> float:
+    """The sum of the layers' (parameter, amount) terms, each parameter counted once: at
+    the first layer listing it."""
     seen: set[int] = set()
     total = 0.0
-    for p, prog in zip(priced, programs):
-        for vid, nbytes in _layer_param_bytes(p, prog, params, graph, shard_state):
+    for terms in layers:
+        for vid, amount in terms:
             if vid not in seen:
                 seen.add(vid)
-                total += nbytes
+                total += amount
     return total
 
 
@@ -875,14 +882,57 @@ def _layer_param_bytes(p: _Priced, prog: pipeline.StageProgram, params: set[int]
     in input order: at its input layout, or at its state layout where `shard` splits it (as
     `state_layouts` does).  Memoized on `p` (the same solution serves identical layers:
     the key holds their program)."""
-    owners = (prog, params, graph, shard)
-    key = tuple(id(x) for x in owners)
+    return _memoized(p, "param bytes", (prog, params, graph, shard), lambda: [
+        (vid, graph.values[vid].nbytes / mesh.shards(spec))
+        for vid, (spec, mesh) in state_layouts([p], [prog], params, graph, shard).items()])
+
+
+def _layer_updates_s(p: _Priced, prog: pipeline.StageProgram, params: set[int], graph: Graph,
+                     split: StateSplit) -> list[tuple[int, float]]:
+    """(parameter, seconds per step of its update under `split`) of each parameter layer
+    solution `p` reads in `prog`, at its input layout, in input order; memoized on `p`."""
+    return _memoized(p, "updates", (prog, params, graph, split), lambda: [
+        (vid, split.cost_s(spec, graph.values[vid].shape, graph.values[vid].nbytes, mesh))
+        for vid, (spec, mesh) in param_layouts([p], [prog], params).items()])
+
+
+def _layer_memory_terms(p: _Priced, prog: pipeline.StageProgram, params: set[int],
+                        graph: Graph) -> tuple[float, list[tuple[int, float]],
+                                               list[tuple[int, tuple[Spec, float]]]]:
+    """`stage_memory_bytes`'s terms of one layer solution that need no other layer: the
+    bytes per device of the parameters and gradients it reads and writes (`own`), the
+    (parameter, gradient accumulator bytes) it would hold, and (input, (its spec, bytes per
+    device)) of every input as this layer reads it; memoized on `p`."""
+    def compute():
+        own = 0.0
+        grads = []
+        acc = p.accumulator_bytes or (None,) * len(prog.inputs)
+        for vid, spec, ct, a in zip(prog.inputs, p.input_specs, p.ct_out_specs or
+                                    (None,) * len(prog.inputs), acc):
+            if vid not in params:
+                continue
+            nbytes = graph.values[vid].nbytes
+            own += nbytes / p.mesh.shards(spec)
+            if ct is not None:
+                g = nbytes / p.mesh.shards(ct)
+                own += g
+                grads.append((vid, g if a is None else a))
+        inputs = [(vid, (spec, graph.values[vid].nbytes / p.mesh.shards(spec)))
+                  for vid, spec in zip(prog.inputs, p.input_specs)]
+        return own, grads, inputs
+
+    return _memoized(p, "memory terms", (prog, params, graph), compute)
+
+
+def _memoized(p: _Priced, what: str, owners: tuple, compute: Callable[[], Any]) -> Any:
+    """`compute()`, kept on `p` under `what` and the identities of `owners` (the objects
+    it reads besides `p`; the same solution serves identical layers, whose programs
+    differ)."""
+    key = (what, *map(id, owners))
     hit = p._memo.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[0], owners)):
         return hit[1]
-    out = []
-    for vid, (spec, mesh) in state_layouts([p], [prog], params, graph, shard).items():
-        out.append((vid, graph.values[vid].nbytes / mesh.shards(spec)))
+    out = compute()
     p._memo[key] = (owners, out)
     return out
 
@@ -950,20 +1000,11 @@ def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.St
     holder: dict[int, tuple[Spec, float]] = {}
     kept: set[int] = set()
     for p, prog in zip(priced, programs):
-        for vid, spec in zip(prog.inputs, p.input_specs):
-            holder.setdefault(vid, (spec, graph.values[vid].nbytes / p.mesh.shards(spec)))
-        own = 0.0
-        acc = p.accumulator_bytes or (None,) * len(prog.inputs)
-        for vid, spec, ct, a in zip(prog.inputs, p.input_specs, p.ct_out_specs or
-                                    (None,) * len(prog.inputs), acc):
-            if vid not in params:
-                continue
-            nbytes = graph.values[vid].nbytes
-            own += nbytes / p.mesh.shards(spec)
-            if ct is not None:
-                g = nbytes / p.mesh.shards(ct)
-                own += g
-                grads.setdefault(vid, g if a is None else a)
+        own, layer_grads, inputs_held = _layer_memory_terms(p, prog, params, graph)
+        for vid, entry in inputs_held:
+            holder.setdefault(vid, entry)
+        for vid, g in layer_grads:
+            grads.setdefault(vid, g)
         residuals += p.residual_bytes
         transient = p.memory_bytes - own - p.residual_bytes
         for k, nbytes in p.input_residuals:

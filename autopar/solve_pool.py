@@ -29,6 +29,12 @@ from autopar.passes.solver import InfeasibleError, ShardingProblem, Solution, so
 from . import _solve_worker as wire
 
 _WORKER = os.path.abspath(wire.__file__)
+# np.load parses each array's header with ast.literal_eval, and CPython 3.11's AST
+# constructor keeps one recursion counter per interpreter, not per thread: two pool threads
+# decoding answers at once failed with "SystemError: AST constructor recursion depth
+# mismatch" (CPython gh-106905; seen here on 3.11.7 in a pipeline test).  One decode at a
+# time.
+_DECODE_LOCK = threading.Lock()
 
 
 def default_workers() -> int:
@@ -117,17 +123,21 @@ class SolvePool:
                 if job is None:
                     return
                 fut, problem, time_limit_s, backend, threads = job
-                answer = None
-                if proc is not None and proc.poll() is None:
-                    answer = _ask(proc, problem, time_limit_s, backend, threads)
-                if answer is None:  # no worker: solve here (and start a fresh one next)
-                    if proc is not None:
-                        _stop(proc)
-                    _run_inline(fut, problem, time_limit_s, backend, threads)
-                    proc = self._procs[k] = self._start(k)
-                    continue
-                self.solved_in_workers += 1
-                _resolve(fut, problem, *answer)
+                try:
+                    answer = None
+                    if proc is not None and proc.poll() is None:
+                        answer = _ask(proc, problem, time_limit_s, backend, threads)
+                    if answer is None:  # no worker: solve here (and start a fresh one next)
+                        if proc is not None:
+                            _stop(proc)
+                        _run_inline(fut, problem, time_limit_s, backend, threads)
+                        proc = self._procs[k] = self._start(k)
+                        continue
+                    self.solved_in_workers += 1
+                    _resolve(fut, problem, *answer)
+                except Exception as err:  # the caller waits on this future: never leave it
+                    if not fut.done():
+                        fut.set_exception(err)
         finally:
             if proc is not None:
                 _stop(proc)
@@ -146,7 +156,13 @@ def _ask(proc: subprocess.Popen, problem: ShardingProblem, time_limit_s: float,
         frame = wire.read_frame(proc.stdout.fileno())
     except OSError:
         return None
-    return None if frame is None else wire.decode(frame)
+    if frame is None:
+        return None
+    with _DECODE_LOCK:
+        try:
+            return wire.decode(frame)
+        except SystemError:  # the same bug, from an AST built outside the pool: once more
+            return wire.decode(frame)
 
 
 def _resolve(fut: concurrent.futures.Future, problem: ShardingProblem, arrays: dict,

@@ -379,13 +379,15 @@ class BuildCache:
     A stage search prices each layer on each sub-mesh twice, time-optimal and memory-lean
     (`autopar.pipeline_planner`): the two problems differ only in the parameters' value
     costs, so the second call copies the first one's groups instead of enumerating every
-    equation's strategies again.  Entries match on the graph object (identity), the mesh
+    equation's strategies again; and every mesh's problem of one graph shares one buffer
+    analysis (`memory.analyze`).  Entries match on the graph object (identity), the mesh
     (equality) and the other build inputs; the cache lives as long as its owner (one
     search).
     """
 
     def __init__(self) -> None:
         self._entries: dict[tuple, list[tuple[Graph, MeshContext, _ProblemBuilder]]] = {}
+        self._buffers: dict[tuple[int, bool], tuple[Graph, mem.BufferInfo]] = {}
         self.hits = 0
 
     def builder(self, graph: Graph, mesh: MeshContext, forced: Mapping[int, Spec] | None,
@@ -399,16 +401,25 @@ class BuildCache:
             if g is graph and m == mesh:
                 self.hits += 1
                 return base.fork()
-        base = _built(graph, mesh, forced, ties, batch_size, comm_scale)
+        # The buffer analysis reads the graph alone: one per graph, whatever the mesh.
+        bkey = (id(graph), mesh.cluster.device_kind == "cpu")
+        found = self._buffers.get(bkey)
+        shared = found[1] if found is not None and found[0] is graph else None
+        base = _built(graph, mesh, forced, ties, batch_size, comm_scale, buffers=shared)
+        if shared is None:
+            self._buffers[bkey] = (graph, base.buffers)
         entries.append((graph, mesh, base))
         return base.fork()
 
 
 def _built(graph: Graph, mesh: MeshContext, forced: Mapping[int, Spec] | None,
            ties: Sequence[tuple[int, int]], batch_size: int | None,
-           comm_scale: Mapping[int, float] | None = None) -> _ProblemBuilder:
-    """The problem builder with every group and edge, ties included."""
+           comm_scale: Mapping[int, float] | None = None,
+           buffers: mem.BufferInfo | None = None) -> _ProblemBuilder:
+    """The problem builder with every group and edge, ties included (`buffers`: the
+    graph's `memory.analyze`, when the caller has it)."""
     builder = _ProblemBuilder(graph, mesh, dict(forced or {}), batch_size, comm_scale)
+    builder._buffers = buffers
     builder.build()
     for pos, in_vid in ties:
         out = graph.outvars[pos]

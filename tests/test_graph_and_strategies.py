@@ -369,6 +369,8 @@ def test_build_cache_reuses_a_build_without_sharing_value_costs():
     without = intra_op.start(graph, MESH_1D, builds=cache, **kw).problem
     assert max(float(np.max(a - b)) for a, b in zip(with_lean.node_costs,
                                                      without.node_costs)) == 1.0
-    # Another mesh is another build.
-    intra_op.start(graph, MESH_2D, builds=cache, **kw)
+    # Another mesh is another build, on the same buffer analysis (it reads the graph only).
+    other = intra_op.start(graph, MESH_2D, builds=cache, **kw)
     assert cache.hits == 4
+    assert other.builder.buffers is intra_op.start(graph, MESH_1D, builds=cache,
+                                                   **kw).builder.buffers

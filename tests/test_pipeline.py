@@ -170,10 +170,11 @@ def test_a_parameter_read_by_several_layers_is_updated_once_per_stage():
     embed, other = 0, 1
     graph = SimpleNamespace(values={embed: SimpleNamespace(shape=(1024, 64), nbytes=2**18),
                                     other: SimpleNamespace(shape=(64, 64), nbytes=2**14)})
-    first = SimpleNamespace(mesh=mesh, input_specs=(((), ()),))
-    last = SimpleNamespace(mesh=mesh, input_specs=(((), ()), ((), ())))
     progs = [SimpleNamespace(inputs=(embed,)), SimpleNamespace(inputs=(embed, other))]
     for mode in ("none", "all"):
+        # Layer solutions (stand-ins) with their memo (`_Priced._memo`), fresh per mode.
+        first = SimpleNamespace(mesh=mesh, input_specs=(((), ()),), _memo={})
+        last = SimpleNamespace(mesh=mesh, input_specs=(((), ()), ((), ())), _memo={})
         split = StateSplit(mode, 2.0, cluster)
         one = {v: split.cost_s(((), ()), graph.values[v].shape, graph.values[v].nbytes, mesh)
                for v in (embed, other)}

@@ -201,3 +201,29 @@ def test_auto_is_validated():
         autopar.PipeshardParallel(num_micro_batches="many")
     with pytest.raises(ValueError, match="positive int"):
         autopar.ShardParallel(num_micro_batches="auto")
+
+
+def test_pool_delivers_a_failed_answer_as_the_futures_error(monkeypatch):
+    """An exception while reading a worker's answer (CPython 3.11's AST recursion-counter
+    SystemError, raised inside np.load, once hung a pipeline test for 600 s: the pool
+    thread died and its future was never set) reaches the caller through the future, and
+    the pool keeps serving the next problems.  One such error is retried."""
+    from autopar import solve_pool
+
+    real = solve_pool.wire.decode
+    calls = []
+
+    def flaky(payload):
+        calls.append(1)
+        if len(calls) <= 3:  # the first answer twice, the second once
+            raise SystemError("AST constructor recursion depth mismatch (before=36, after=32)")
+        return real(payload)
+
+    monkeypatch.setattr(solve_pool.wire, "decode", flaky)
+    with SolvePool(workers=1) as pool:
+        first = pool.submit(random_problem(2), time_limit_s=5.0, backend="auto")
+        second = pool.submit(random_problem(3), time_limit_s=5.0, backend="auto")
+        with pytest.raises(SystemError, match="recursion depth"):
+            first.result(timeout=60)
+        assert second.result(timeout=60).status == "optimal"
+    assert len(calls) == 4
