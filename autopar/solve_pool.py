@@ -138,6 +138,9 @@ class SolvePool:
                 except Exception as err:  # the caller waits on this future: never leave it
                     if not fut.done():
                         fut.set_exception(err)
+                    if proc is not None:  # its stream may be mid-frame: a fresh worker
+                        _stop(proc)
+                    proc = self._procs[k] = self._start(k)
         finally:
             if proc is not None:
                 _stop(proc)
