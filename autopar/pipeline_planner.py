@@ -95,8 +95,9 @@ class _Priced:
     # (position in `input_specs`, bytes per device at that layout).  The runtime keeps such
     # a value once, as its producer laid it out (`stage_memory_bytes`).
     input_residuals: tuple[tuple[int, float], ...] = ()
-    # `_layer_param_bytes` memo: the stage search asks for the same layer's parameter
-    # bytes once per layer range holding it (thousands of times on GPT-39B).
+    # `_memoized`'s store (parameter bytes, update seconds, memory terms): the stage search
+    # asks for the same layer's terms once per layer range holding it (thousands of times
+    # on GPT-39B).
     _memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 

@@ -418,8 +418,7 @@ def _built(graph: Graph, mesh: MeshContext, forced: Mapping[int, Spec] | None,
            buffers: mem.BufferInfo | None = None) -> _ProblemBuilder:
     """The problem builder with every group and edge, ties included (`buffers`: the
     graph's `memory.analyze`, when the caller has it)."""
-    builder = _ProblemBuilder(graph, mesh, dict(forced or {}), batch_size, comm_scale)
-    builder._buffers = buffers
+    builder = _ProblemBuilder(graph, mesh, dict(forced or {}), batch_size, comm_scale, buffers)
     builder.build()
     for pos, in_vid in ties:
         out = graph.outvars[pos]
@@ -445,7 +444,8 @@ def _peak_memory(problem: ShardingProblem, choice: Sequence[int]) -> float:
 
 class _ProblemBuilder:
     def __init__(self, graph: Graph, mesh: MeshContext, forced: dict[int, Spec],
-                 batch_size: int | None, comm_scale: Mapping[int, float] | None = None):
+                 batch_size: int | None, comm_scale: Mapping[int, float] | None = None,
+                 buffers: mem.BufferInfo | None = None):
         self.graph = graph
         self.mesh = mesh
         self.forced = forced
@@ -468,7 +468,7 @@ class _ProblemBuilder:
         # (equation, operand position, operand value, consumer group, spec per strategy)
         # of every operand.
         self.requirements: list[tuple[int, int, int, int, list]] = []
-        self._buffers: mem.BufferInfo | None = None
+        self._buffers = buffers  # memory.analyze(graph), computed when first asked
         self.aliased: set[int] = set()   # outputs written into their donated input
         self.tie_pairs: list[tuple[int, int]] = []  # (output value, input value it replaces)
 
