@@ -413,14 +413,27 @@ def test_worker_options_are_per_request():
     model = reduced_model(red, memory=True).arrays  # small: optimal under any setting
     base = solve_inline(model, {"time_limit_s": 20})
     assert base[1]["status"] == "optimal"
-    other = {"DEE": 0, "elimDegree": 0, "LcLevel": 1, "hbfs": 0}
-    assert set(other) == set(TUNABLE_OPTIONS)
+    other = {"DEE": 0, "elimDegree": 0, "LcLevel": 1, "hbfs": 0, "restart": 10000}
     got = solve_inline(model, {"time_limit_s": 20, "options": other})
     assert got[1]["status"] == "optimal" and got[1]["cost"] == base[1]["cost"]
     option = pytoulbar2.pytb2.option
-    assert (option.DEE, option.elimDegree, option.hbfs) == (0, 0, 0)
+    assert (option.DEE, option.elimDegree, option.hbfs, option.restart) == (0, 0, 0, 10000)
     again = solve_inline(model, {"time_limit_s": 20})
     assert again[1]["cost"] == base[1]["cost"]
     assert (option.DEE, option.elimDegree, option.hbfs) == (1, 3, 1)  # back to autopar's
+    # The other search methods, on a memory-free model (the penalty loop's kind): G
+    # without its memory limit, 816 nodes, optimal in well under a second.
+    red_g, _ = reduce_problem(load_iopddl(DATA / "asplos-2025-iopddl-G.json.gz"))
+    free = reduced_model(red_g, memory=False).arrays
+    opt = solve_inline(free, {"time_limit_s": 20})
+    assert opt[1]["status"] == "optimal"
+    searches = [{"searchMethod": 2, "restart": 10000}, {"elimDegree_preprocessing": 2}]
+    assert set(other).union(*searches) == set(TUNABLE_OPTIONS)
+    for opts in searches:
+        ans = solve_inline(free, {"time_limit_s": 20, "lds": 4, "options": opts})
+        assert ans[1]["cost"] == opt[1]["cost"], opts
+        assert ans[1]["lower_bound"] <= opt[1]["cost"]
+    solve_inline(free, {"time_limit_s": 20})
+    assert (option.searchMethod, option.elimDegree_preprocessing, option.restart) == (0, -1, -1)
     bad = solve_inline(model, {"time_limit_s": 20, "options": {"vnsKmax": 4}})
     assert bad[0] == {} and bad[1]["status"] == "error" and "vnsKmax" in bad[1]["message"]

@@ -48,6 +48,9 @@ TUNABLE_OPTIONS = {
     "elimDegree": 3,  # variable elimination during search up to this degree
     "LcLevel": 4,  # local consistency: 1 AC, 2 DAC, 3 FDAC, 4 EDAC (toulbar2's default)
     "hbfs": 1,  # hybrid best-first search (0: depth-first branch and bound)
+    "searchMethod": 0,  # 0 branch and bound (HBFS/DFBB), 2 DGVNS (decomposition-guided VNS)
+    "restart": -1,  # DGVNS: backtracks between restarts (-1: none)
+    "elimDegree_preprocessing": -1,  # variable elimination in preprocessing up to this degree
 }
 
 
@@ -103,8 +106,6 @@ def _set_options(tb2, meta: dict) -> None:
     o.backtrackLimit = int(meta.get("backtrack_limit") or np.iinfo(np.int64).max)
     o.vac = 0
     o.useRASPS = 0
-    o.elimDegree_preprocessing = -1
-    o.searchMethod = 0
     o.solutionBasedPhaseSaving = True
     extra = meta.get("options") or {}
     unknown = sorted(set(extra) - set(TUNABLE_OPTIONS))
