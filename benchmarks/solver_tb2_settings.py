@@ -126,6 +126,10 @@ def _rows(pen: Penalty, unaries: list, answers: list, name: str, limit: int, sta
           starts: list | None = None) -> list[dict]:
     rows = []
     for j, (ans, (_u, off)) in enumerate(zip(answers, unaries)):
+        def penalized(model_cost: float, off: float = off) -> float:
+            """A model cost of this level on the whole instance (constant cost included)."""
+            return model_cost / pen.scale + off + pen.red.offset
+
         row = {"setting": name, "level": j, "cpu_limit_s": limit, "start": start,
                "status": None if ans is None else ans.meta.get("status")}
         x = None
@@ -134,13 +138,13 @@ def _rows(pen: Penalty, unaries: list, answers: list, name: str, limit: int, sta
         elif starts is not None and ans is not None and ans.meta.get("status") == "none":
             x, model_cost = starts[j]  # nothing below the warm start: it stands
         if x is not None:
-            row["penalized_cost"] = model_cost / pen.scale + off + pen.red.offset
+            row["penalized_cost"] = penalized(model_cost)
             row["cost"] = pen.real_cost(x) + pen.red.offset
             row["overflow"] = float((pen.usage(x) - pen.red.cap).max())
         elif ans is not None and ans.meta.get("message"):
             row["message"] = ans.meta["message"]
         if starts is not None:
-            row["start_penalized_cost"] = starts[j][1] / pen.scale + off + pen.red.offset
+            row["start_penalized_cost"] = penalized(starts[j][1])
         rows.append(row)
         print(f"{name} | {start} | level {j} | {limit} s: {row.get('penalized_cost', '-')} "
               f"{row['status']}", flush=True)

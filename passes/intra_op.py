@@ -401,8 +401,9 @@ class BuildCache:
             if g is graph and m == mesh:
                 self.hits += 1
                 return base.fork()
-        # The buffer analysis reads the graph alone: one per graph, whatever the mesh.
-        bkey = (id(graph), mesh.cluster.device_kind == "cpu")
+        # The buffer analysis reads the graph and the device kind only: one per graph and
+        # kind, whatever the mesh's shape.
+        bkey = (id(graph), _cpu_buffers(mesh))
         found = self._buffers.get(bkey)
         shared = found[1] if found is not None and found[0] is graph else None
         base = _built(graph, mesh, forced, ties, batch_size, comm_scale, buffers=shared)
@@ -410,6 +411,12 @@ class BuildCache:
             self._buffers[bkey] = (graph, base.buffers)
         entries.append((graph, mesh, base))
         return base.fork()
+
+
+def _cpu_buffers(mesh: MeshContext) -> bool:
+    """`memory.analyze`'s `cpu` argument for a problem on `mesh` (and BuildCache's key for
+    sharing that analysis)."""
+    return mesh.cluster.device_kind == "cpu"
 
 
 def _built(graph: Graph, mesh: MeshContext, forced: Mapping[int, Spec] | None,
@@ -697,8 +704,7 @@ class _ProblemBuilder:
     @property
     def buffers(self) -> mem.BufferInfo:
         if self._buffers is None:
-            self._buffers = mem.analyze(self.graph,
-                                        cpu=self.mesh.cluster.device_kind == "cpu")
+            self._buffers = mem.analyze(self.graph, cpu=_cpu_buffers(self.mesh))
         return self._buffers
 
     def problem(self, memory_budget_bytes: float | None) -> ShardingProblem:
