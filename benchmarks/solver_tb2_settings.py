@@ -24,7 +24,9 @@ cores; autopar's setting: 1.031-1.042 of the best known cost in 5 runs, see toul
 with a setting in every penalty solve: "no dead-end elimination" (best here from
 a cold start) 1.106 and 1.110, its answers cheap but over the limit; preprocessing
 elimination 1.017 and 1.043, and on A 1.0034 (autopar's: 1.0002; its rounds take longer);
-DGVNS 1.017 and 1.038, and on M 1.044 (autopar's: 0.9999).  autopar keeps its setting.
+DGVNS 1.017 and 1.038, and on M 1.044 (autopar's: 0.9999); every solve on the folded core
+(fold.py) 1.062 and 1.088, against 1.022-1.034 without on the same day.  autopar keeps its
+setting and its whole model.
 
 Writes benchmarks/results/solver_tb2_settings.{md,json}.
 """
@@ -39,6 +41,7 @@ import time
 import numpy as np
 
 from autopar.passes.solver import load_iopddl
+from autopar.passes.solver.fold import LeafFold
 from autopar.passes.solver.heuristic import LocalSearch, initial_strategies
 from autopar.passes.solver.penalty import Penalty
 from autopar.passes.solver.pool import Request, WorkerPool
@@ -60,8 +63,11 @@ SETTINGS: dict[str, tuple[int, dict]] = {
         (4, {"searchMethod": 2, "restart": 10000}),
     "variable elimination of degree <= 2 in preprocessing": (4, {"elimDegree_preprocessing": 2}),
 }
+# autopar's setting on the core left by folding the model's leaves into their neighbours
+# (passes/solver/fold.py: the same optimum, a quarter of S's nodes).
+FOLDED = "autopar's, on the core left by folding leaves (fold.py)"
 # Settings solved again from the 13 s answer of autopar's (the first of SETTINGS).
-WARM_SETTINGS = ("autopar (HBFS, LDS 4, EDAC, DEE, elimination deg 3)",
+WARM_SETTINGS = (FOLDED, "autopar (HBFS, LDS 4, EDAC, DEE, elimination deg 3)",
                  "DGVNS (decomposition-guided VNS, restart every 10,000 backtracks)",
                  "variable elimination of degree <= 2 in preprocessing")
 SETTING_LIMIT_S = 13  # the loop's slice on S with 12 rounds (toulbar2.PENALTY_ROUNDS)
@@ -85,41 +91,60 @@ def first_round_models(path: pathlib.Path, levels: int) -> tuple[Penalty, list, 
 
 def run(path: pathlib.Path, levels: int) -> tuple[list[dict], dict]:
     pen, unaries, info = first_round_models(path, levels)
-    jobs = [(name, lds, opts, SETTING_LIMIT_S) for name, (lds, opts) in SETTINGS.items()]
+    fold = LeafFold(**pen.edge_arrays)
+    info["core_nodes"] = len(fold.core)
     autopar, (lds0, opts0) = next(iter(SETTINGS.items()))
-    jobs += [(autopar, lds0, opts0, t) for t in AUTOPAR_LIMITS_S]
+    jobs = [(name, lds, opts, SETTING_LIMIT_S, None) for name, (lds, opts) in SETTINGS.items()]
+    jobs.insert(1, (FOLDED, lds0, opts0, SETTING_LIMIT_S, fold))
+    jobs += [(autopar, lds0, opts0, t, None) for t in AUTOPAR_LIMITS_S]
     rows = []
     starts: list = [None] * levels  # per level: autopar's 13 s answer and its model cost
     with WorkerPool(2, grace_s=1.5) as pool:
         pool.warm_up()
-        for name, lds, opts, limit in jobs:
-            answers = _solve(pool, pen, unaries, lds, opts, limit, None)
+        for name, lds, opts, limit, fld in jobs:
+            answers = _solve(pool, pen, unaries, lds, opts, limit, None, fld)
             if name == autopar and limit == SETTING_LIMIT_S:
                 starts = [None if a is None or "values" not in a.arrays
                           else (a.arrays["values"], a.meta["cost"]) for a in answers]
             rows += _rows(pen, unaries, answers, name, limit, "cold")
         if all(st is not None for st in starts):
             for name in WARM_SETTINGS:
-                lds, opts = SETTINGS[name]
-                answers = _solve(pool, pen, unaries, lds, opts, SETTING_LIMIT_S, starts)
+                lds, opts, fld = lds0, opts0, fold
+                if name != FOLDED:
+                    (lds, opts), fld = SETTINGS[name], None
+                answers = _solve(pool, pen, unaries, lds, opts, SETTING_LIMIT_S, starts, fld)
                 rows += _rows(pen, unaries, answers, name, SETTING_LIMIT_S, "warm", starts)
     info["load_average"] = _load_average()
     return rows, info
 
 
 def _solve(pool: WorkerPool, pen: Penalty, unaries: list, lds: int, opts: dict, limit: int,
-           starts: list | None) -> list:
+           starts: list | None, fold: LeafFold | None = None) -> list:
     """One solve per level, two at a time; `starts`: per level (first guess, its model
-    cost), the cost + 1 being the exclusive upper bound."""
-    reqs = []
+    cost), the cost + 1 being the exclusive upper bound.  With `fold`, each level is
+    solved on its core and the answers are expanded to the whole model (their costs are
+    the same)."""
+    reqs, folded = [], []
     for j, (u, _off) in enumerate(unaries):
-        arrays, meta = {"unary": u}, {"time_limit_s": limit, "lds": lds, "seed": 1,
-                                      "options": opts}
+        meta = {"time_limit_s": limit, "lds": lds, "seed": 1, "options": opts}
+        if fold is None:
+            arrays, base = {"unary": u}, pen.edge_arrays
+        else:
+            folded.append(fold.fold(u))
+            arrays, base = {"unary": fold.core_unary(folded[j])}, fold.arrays
         if starts is not None:
-            arrays["best"] = starts[j][0]
-            meta["ub"] = starts[j][1] + 1.0
-        reqs.append(Request(arrays, meta, base="first-round", base_arrays=pen.edge_arrays))
-    return pool.run(reqs, time.perf_counter() + 2 * limit + 30)
+            x0, cost = starts[j]
+            if fold is not None:
+                x0, cost = x0[fold.core], fold.core_cost(folded[j], x0)
+            arrays["best"] = x0
+            meta["ub"] = cost + 1.0
+        key = "first-round" if fold is None else "first-round-core"
+        reqs.append(Request(arrays, meta, base=key, base_arrays=base))
+    answers = pool.run(reqs, time.perf_counter() + 2 * limit + 30)
+    for ans, f in zip(answers, folded):
+        if ans is not None and "values" in ans.arrays:
+            ans.arrays["values"] = fold.expand(ans.arrays["values"], f)
+    return answers
 
 
 def _rows(pen: Penalty, unaries: list, answers: list, name: str, limit: int, start: str,
@@ -163,7 +188,8 @@ def markdown(rows: list[dict], info: dict, instance: str) -> str:
         "",
         "`python -m benchmarks.solver_tb2_settings` — the penalty loop's first-round "
         f"models ({info['reduced_nodes']:,} reduced nodes, {info['reduced_strategies']:,} "
-        f"strategies, {info['edges']:,} edges; memory-price weights, no warm start), each "
+        f"strategies, {info['edges']:,} edges, a core of {info['core_nodes']:,} nodes once "
+        "leaves are folded; memory-price weights, no warm start), each "
         "weight level solved by one toulbar2 worker under a CPU-time limit, two solves at "
         "a time on 2 cores. penalized = cost + weight x usage (what toulbar2 minimises); "
         "vs best = penalized / the lowest penalized cost of that level at "

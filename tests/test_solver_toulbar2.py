@@ -437,3 +437,80 @@ def test_worker_options_are_per_request():
     assert (option.searchMethod, option.elimDegree_preprocessing, option.restart) == (0, -1, -1)
     bad = solve_inline(model, {"time_limit_s": 20, "options": {"vnsKmax": 4}})
     assert bad[0] == {} and bad[1]["status"] == "error" and "vnsKmax" in bad[1]["message"]
+
+
+def _tree_model(seed: int) -> dict:
+    """A random pairwise model (tb2_worker's arrays) with a cycle, chains and leaves of
+    leaves, integer costs and some forbidden entries."""
+    rng = np.random.default_rng(seed)
+    n = 9
+    sizes = rng.integers(1, 4, n)
+    edges = [(0, 1), (1, 2), (2, 0), (2, 3), (3, 4), (4, 5), (1, 6), (6, 7), (0, 8)]
+    costs = []
+    for a, b in edges:
+        t = rng.integers(0, 20, (sizes[a], sizes[b])).astype(np.float64)
+        t[rng.random(t.shape) < 0.15] = np.inf
+        costs.append(t.ravel())
+    unary = rng.integers(0, 20, int(sizes.sum())).astype(np.float64)
+    unary[rng.random(unary.shape) < 0.1] = np.inf
+    return {"sizes": sizes, "edges": np.array(edges), "costs": np.concatenate(costs),
+            "unary": unary}
+
+
+def _model_cost(m: dict, x) -> float:
+    off = np.concatenate([[0], np.cumsum(m["sizes"])])
+    c = sum(m["unary"][off[v] + x[v]] for v in range(len(x)))
+    k = 0
+    for a, b in m["edges"].tolist():
+        sb = m["sizes"][b]
+        c += m["costs"][k + x[a] * sb + x[b]]
+        k += m["sizes"][a] * sb
+    return float(c)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_leaf_fold_is_exact(seed):
+    """The folded core's optimum, expanded, is the whole model's optimum; every core
+    answer costs what its expansion does, and a whole answer's core cost is at most its
+    own."""
+    from autopar.passes.solver.fold import LeafFold
+
+    m = _tree_model(seed)
+    fold = LeafFold(m["sizes"], m["edges"], m["costs"])
+    assert fold.core.tolist() == [0, 1, 2]  # the triangle stays; the rest folds
+    assert fold.num_folded == 6
+    folded = fold.fold(m["unary"])
+    core = {"unary": fold.core_unary(folded), **fold.arrays}
+    whole = [_model_cost(m, x) for x in itertools.product(*map(range, m["sizes"]))]
+    best_core = min(itertools.product(*map(range, core["sizes"])),
+                    key=lambda xc: _model_cost(core, xc))
+    x = fold.expand(np.array(best_core), folded)
+    assert _model_cost(m, x) == min(whole)
+    for xc in itertools.product(*map(range, core["sizes"])):
+        x = fold.expand(np.array(xc), folded)
+        assert _model_cost(core, xc) == _model_cost(m, x)
+        assert fold.core_cost(folded, x) == _model_cost(core, xc)
+    for xw in itertools.product(*map(range, m["sizes"])):
+        assert fold.core_cost(folded, np.array(xw)) <= _model_cost(m, xw)
+
+
+def test_leaf_fold_keeps_toulbar2_optimum_on_g():
+    """G's penalized model (one weight on every memory node) solved by toulbar2 on the
+    whole model and on its folded core: the same proven optimum, and the expansion of the
+    core's answer costs exactly that on the whole model."""
+    from autopar.passes.solver.fold import LeafFold
+    from autopar.passes.solver.penalty import Penalty
+    from autopar.passes.solver.tb2_worker import solve_inline
+
+    red, _ = reduce_problem(load_iopddl(DATA / "asplos-2025-iopddl-G.json.gz"))
+    pen = Penalty(red, 1.0, 1)
+    unary, _ = pen.unary(pen.weights(0))
+    fold = LeafFold(**pen.edge_arrays)
+    assert 0 < len(fold.core) < red.num_nodes
+    whole = solve_inline({**pen.edge_arrays, "unary": unary}, {"time_limit_s": 20})
+    folded = fold.fold(unary)
+    core = solve_inline({**fold.arrays, "unary": fold.core_unary(folded)}, {"time_limit_s": 20})
+    assert whole[1]["status"] == core[1]["status"] == "optimal"
+    assert core[1]["cost"] == whole[1]["cost"]
+    x = fold.expand(core[0]["values"], folded)
+    assert pen.model_cost(unary, x) == whole[1]["cost"]
