@@ -106,6 +106,29 @@ def build_model(unary: list[np.ndarray], edges: list[tuple[int, int, np.ndarray]
     return Model(arrays=arrays, cost_scale=scale, offset=offset, usage_scale=uscale)
 
 
+def table_offsets(sizes: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each node's values start in a model's flat `unary` and each edge's table in its
+    flat `costs` (each with one more entry: the end)."""
+    sizes = np.asarray(sizes, np.int64)
+    edges = np.asarray(edges, np.int64).reshape(-1, 2)
+    uoff = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    eoff = np.concatenate([[0], np.cumsum(sizes[edges[:, 0]] * sizes[edges[:, 1]])])
+    return uoff, eoff.astype(np.int64)
+
+
+def assignment_cost(unary: np.ndarray, arrays: dict, offsets: tuple[np.ndarray, np.ndarray],
+                    x: np.ndarray) -> float:
+    """Cost in model units of assignment x: its entry of the flat `unary` at every node
+    and of every edge table of `arrays` (sizes, edges, costs; `offsets`: table_offsets)."""
+    uoff, eoff = offsets
+    c = float(unary[uoff[:-1] + x].sum())
+    e = arrays["edges"]
+    if len(e):
+        c += float(arrays["costs"][eoff[:-1] + x[e[:, 0]] * arrays["sizes"][e[:, 1]]
+                                   + x[e[:, 1]]].sum())
+    return c
+
+
 def _knapsack_arrays(knapsacks: list[tuple[np.ndarray, list[np.ndarray], float]],
                      uscale: float) -> dict:
     """tb2_worker's knapsack arrays (CSR: kn_ptr over the terms kn_var/kn_val/kn_coef,

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from autopar.passes.solver.cfn import assignment_cost, table_offsets
+
 
 class LeafFold:
     """The fold of one model's topology (its edge tables fixed, its unary costs free)."""
@@ -41,8 +43,7 @@ class LeafFold:
         edges = np.asarray(edges, np.int64).reshape(-1, 2)
         n = len(sizes)
         self.sizes = sizes
-        self.off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        eoff = np.concatenate([[0], np.cumsum(sizes[edges[:, 0]] * sizes[edges[:, 1]])])
+        self.off, eoff = table_offsets(sizes, edges)
         incident: list[list[int]] = [[] for _ in range(n)]
         for k, (a, b) in enumerate(edges.tolist()):
             incident[a].append(k)
@@ -83,10 +84,7 @@ class LeafFold:
         self._core_pos = (np.concatenate([np.arange(self.off[v], self.off[v + 1])
                                           for v in self.core.tolist()])
                           if len(self.core) else np.zeros(0, np.int64))
-        self._core_off = np.concatenate([[0], np.cumsum(core_sizes)]).astype(np.int64)
-        ce = self.arrays["edges"]
-        self._core_eoff = np.concatenate(
-            [[0], np.cumsum(core_sizes[ce[:, 0]] * core_sizes[ce[:, 1]])]).astype(np.int64)
+        self._core_offsets = table_offsets(core_sizes, self.arrays["edges"])
 
     @property
     def num_folded(self) -> int:
@@ -119,11 +117,5 @@ class LeafFold:
     def core_cost(self, folded: np.ndarray, x: np.ndarray) -> float:
         """Cost in model units of the whole model's answer `x` restricted to the core
         (at most the cost of x itself, whose folded nodes may not be at their best)."""
-        xc = np.asarray(x, np.int64)[self.core]
-        c = float(folded[self._core_pos][self._core_off[:-1] + xc].sum())
-        e = self.arrays["edges"]
-        if len(e):
-            sz = self.arrays["sizes"]
-            c += float(self.arrays["costs"][self._core_eoff[:-1] + xc[e[:, 0]] * sz[e[:, 1]]
-                                            + xc[e[:, 1]]].sum())
-        return c
+        return assignment_cost(self.core_unary(folded), self.arrays, self._core_offsets,
+                               np.asarray(x, np.int64)[self.core])

@@ -27,7 +27,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from autopar.passes.solver.cfn import build_model, shifted_tables
+from autopar.passes.solver.cfn import (
+    assignment_cost,
+    build_model,
+    shifted_tables,
+    table_offsets,
+)
 from autopar.passes.solver.heuristic import LocalSearch, repair_memory
 from autopar.passes.solver.pool import Request, WorkerPool
 from autopar.passes.solver.problem import INFINITE_COST
@@ -80,16 +85,14 @@ class Penalty:
         self.w0 = np.broadcast_to(np.asarray(w0, np.float64), (n,))
         self.broken_ever = np.zeros(n, bool)
         self.sizes = np.array([c.size for c in red.costs], np.int64)
-        self.off = np.concatenate([[0], np.cumsum(self.sizes)])
         self.du = np.concatenate(red.du) if n else np.zeros(0)
         self.cost = np.concatenate(red.costs) if n else np.zeros(0)
         self.node_of = np.repeat(np.arange(n), self.sizes)
         base = build_model(list(red.costs), red.edges)
         self.scale = base.cost_scale
         self.edge_arrays = {k: base.arrays[k] for k in ("sizes", "edges", "costs")}
-        e = self.edge_arrays["edges"]
-        self.eoff = np.concatenate(
-            [[0], np.cumsum(self.sizes[e[:, 0]] * self.sizes[e[:, 1]])]).astype(np.int64)
+        self.offsets = table_offsets(self.sizes, self.edge_arrays["edges"])
+        self.off = self.offsets[0]
         _, self.edge_offset, span_e, _ = shifted_tables([r for _u, _v, r in red.edges])
         span = shifted_tables(list(red.costs))[2] + span_e
         self._unary0: np.ndarray | None = None
@@ -126,12 +129,7 @@ class Penalty:
 
     def model_cost(self, unary: np.ndarray, x: np.ndarray) -> float:
         """Cost in model units of choice x under the scaled `unary` (edges included)."""
-        c = float(unary[self.off[:-1] + x].sum())
-        e = self.edge_arrays["edges"]
-        if len(e):
-            c += float(self.edge_arrays["costs"][self.eoff[:-1] + x[e[:, 0]] * self.sizes[e[:, 1]]
-                                                 + x[e[:, 1]]].sum())
-        return c
+        return assignment_cost(unary, self.edge_arrays, self.offsets, x)
 
     def warm_start(self, unary: np.ndarray, starts: list[np.ndarray],
                    ) -> tuple[np.ndarray | None, float | None]:
