@@ -193,6 +193,48 @@ def test_penalty_weights_from_memory_prices(monkeypatch):
     assert evaluate(p, sol.strategies) == (pytest.approx(sol.cost), True)
 
 
+@pytest.mark.parametrize("final_polish_s", [0.0, 10.0])
+def test_last_round_answers_get_the_final_polish(final_polish_s):
+    """The penalty loop's last round ends at its deadline, and its answers (as a rule the
+    cheapest) are repaired and polished in final_polish_s past it; with no such window
+    they are dropped.  Fake pool on a small random problem: round 1 answers a feasible
+    choice, round 2 (which runs past the deadline) the cheapest one, over the limit."""
+    from autopar.passes.solver.heuristic import LocalSearch, heuristic
+    from autopar.passes.solver.penalty import Penalty, penalty_search
+    from autopar.passes.solver.pool import Answer
+
+    red, _ = reduce_problem(random_problem(4, "tight"))
+    pen = Penalty(red, 1.0, 2)
+    choices = [np.array(z) for z in itertools.product(*[range(c.size) for c in red.costs])]
+    x = min(choices, key=pen.real_cost)  # cheapest with no memory limit
+    y, _ = heuristic(red, time.perf_counter() + 1.0, use_lns=False)  # within the limit
+    assert (pen.usage(x) > red.cap).any() and (pen.usage(y) <= red.cap).all()
+    assert pen.real_cost(x) < pen.real_cost(y)
+    deadline = time.perf_counter() + 2.0
+    rounds = []
+
+    class FakePool:
+        size = 2
+
+        def start(self, reqs):
+            rounds.append(reqs)
+            return len(rounds)
+
+        def wait(self, batch, end):
+            if batch == 1:
+                return [Answer({"values": y}, {}), Answer({"values": y}, {})]
+            time.sleep(max(0.0, deadline + 0.05 - time.perf_counter()))
+            return [Answer({"values": x}, {}), Answer({"values": y}, {})]
+
+    best, cost, counts = penalty_search(red, LocalSearch(red, 0), FakePool(), deadline, 1.0,
+                                        1.0, hard_deadline=deadline + 30.0,
+                                        final_polish_s=final_polish_s)
+    assert counts["penalty_rounds"] == 2
+    assert (pen.usage(best) <= red.cap).all() and cost == pytest.approx(pen.real_cost(best))
+    assert cost <= pen.real_cost(y)
+    assert counts["penalty_repaired"] == (1 if final_polish_s else 0)
+
+
 def test_region_model_is_exact():
     """A region covering every node, knapsacks included, solves the whole problem."""
     from autopar.passes.solver.heuristic import LocalSearch, initial_strategies

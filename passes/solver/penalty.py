@@ -15,6 +15,15 @@ Solutions"; this is our own implementation of the idea.)  An answer over the lim
 that is cheaper than the best feasible one is repaired greedily (heuristic.repair_memory)
 and polished the same way.
 
+Tried on IOPDDL S and not adopted (240 s, 2 cores per run; 8 runs at once on a lent
+machine's 16-core Xeon, 2026-11-27; cost / best known): prices per checkpoint instead of
+brackets per node (a node's weight the sum of its live checkpoints' prices, starting at
+the LP's, doubled where the higher level overflowed, halved where both levels fit; levels
+4x or 2x apart) ended at 1.049-1.054 (mean 1.051, 4 runs) and 1.039-1.070 (1.054, 4),
+the brackets at 1.030-1.041 (1.033, 6) beside them.  Hard memory knapsacks at the worst
+overflowing checkpoints (8 cuts, each over ~2,700 live nodes) stopped toulbar2 improving
+on its warm start within a slice: the loop's best stayed at 1.69e9, the final 1.084.
+
 What is deterministic: the weights of round r and the workers' seeds follow from the
 answers of rounds < r.  What is not: toulbar2 runs each level until a wall-clock slice
 ends, so its answers depend on the machine's speed.
@@ -193,6 +202,7 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
                    w0: float | np.ndarray, solve_s: float, seed: int = 0, levels: int | None = None,
                    log: list | None = None, hard_deadline: float | None = None,
                    on_first_round: Callable[[float], None] | None = None,
+                   final_polish_s: float = 0.0,
                    ) -> tuple[np.ndarray | None, float, dict]:
     """Rounds of penalized toulbar2 solves until `deadline` (time.perf_counter()), or
     until `hard_deadline` while no feasible answer has been found.
@@ -206,8 +216,11 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
     workers solve the next round.  `on_first_round(stop)` runs here while the workers
     solve the first round.  `ls` is used as scratch state.  Returns
     the best feasible reduced-problem choice found (or None), its cost, and counters.
-    `log` (a list) receives (time.perf_counter(), level, within the limit, largest
-    overflow, cost) per answer, with level -1 for each new best after the polish.
+    The last round's answers (as a rule the loop's cheapest) arrive at `deadline`: they
+    get `final_polish_s` seconds past it (within `hard_deadline`) for their repair and
+    polish, the cheapest first.  `log` (a list) receives (time.perf_counter(), level,
+    within the limit, largest overflow, cost) per answer, with level -1 for each new best
+    after the polish.
     """
     hard_deadline = deadline if hard_deadline is None else max(deadline, hard_deadline)
     levels = levels or pool.size
@@ -300,5 +313,8 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
     if found["best"] is None:
         polish(hard_deadline)  # the first feasible answer is worth a late polish
     else:
-        polish(deadline)
+        # The last round's answers are the loop's cheapest as a rule: they get up to
+        # final_polish_s past `deadline`, the cheapest first.
+        pending.sort(key=lambda p: pen.real_cost(p[0]))
+        polish(min(hard_deadline, max(deadline, time.perf_counter()) + final_polish_s))
     return found["best"], found["cost"], counts
