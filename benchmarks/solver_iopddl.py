@@ -87,7 +87,8 @@ def markdown(rows: list[dict], args) -> str:
         "seconds = solve() wall clock, model building included, file "
         "loading excluded; limit = the contest's. ratio = our cost / best known cost. "
         "Lower bound: solve()'s proof when it proves optimality, else the Lagrangian bound "
-        "(lagrange.py: memory prices, toulbar2's bound on each subproblem) computed after "
+        "(lagrange.py: memory prices, toulbar2's bound on each subproblem, or the pairwise "
+        "LP's dual where toulbar2 bounds worse) computed after "
         "the solve in `bound s`; bound / known = our bound / the best known bound.",
         "",
         "| instance | limit s | best known cost (source) | known lower bound (source) "

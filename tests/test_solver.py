@@ -286,3 +286,42 @@ def test_dual_bound_is_valid(seed):
     lb, stats = dual_bound(red, time.perf_counter() + 0.3, want - red.offset, max_iters=200)
     assert lb + red.offset <= want + 1e-6 * max(1.0, abs(want))
     assert stats["bound_iterations"] >= 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_deflected_dual_ascent_is_valid_and_resumes_where_it_stopped(seed):
+    """The deflected subgradient (lagrange.py's LP dual) gives valid bounds, and running
+    it in pieces is the same as running it at once."""
+    import time
+
+    from autopar.passes.solver.bound import DualAscent
+
+    p = random_problem(seed, ["tight", "loose"][seed % 2], forbid=0.1 * (seed % 3 == 0))
+    want = brute_force(p)
+    if want is None:
+        return
+    red, _ = reduce_problem(p)
+    far = time.perf_counter() + 60.0
+    once = DualAscent(red, want - red.offset, deflection=0.95, patience=3)
+    once.run(far, 120)
+    pieces = DualAscent(red, want - red.offset, deflection=0.95, patience=3)
+    for n in (7, 50, 63):
+        pieces.run(far, n)
+    assert pieces.iterations == once.iterations == 120
+    assert pieces.best == once.best
+    np.testing.assert_array_equal(pieces.best_mu, once.best_mu)
+    assert once.best + red.offset <= want + 1e-6 * max(1.0, abs(want))
+
+
+@pytest.mark.parametrize("shape", [(40, 3, 5), (40, 1, 6), (5, 4, 3), (33, 7, 1)])
+def test_min_marginals_loop_matches_numpy(shape):
+    from autopar.passes.solver.bound import _min_marginals
+
+    rng = np.random.default_rng(sum(shape))
+    r = rng.random(shape)
+    lu, lv = rng.random(shape[:2]), rng.random((shape[0], shape[2]))
+    pu, pv = np.empty(shape[:2]), np.empty((shape[0], shape[2]))
+    _min_marginals(r, lu, lv, np.empty(r.size + 3), pu, pv)
+    te = r - lu[:, :, None] - lv[:, None, :]
+    np.testing.assert_array_equal(pu, te.min(axis=2))
+    np.testing.assert_array_equal(pv, te.min(axis=1))

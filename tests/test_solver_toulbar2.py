@@ -307,14 +307,11 @@ def test_lagrangian_bound_is_valid(seed):
     assert lb >= stats.get("lp_bound", -np.inf) - 1e-6 * max(1.0, abs(want))
 
 
-def test_lagrangian_round_without_proof_is_solved_again_with_its_answers(monkeypatch):
-    """A round whose subproblems toulbar2 did not prove is solved again at the same
-    prices, each warm-started and bounded by the cheapest answer just found (on IOPDDL M
-    this turned a bound stuck at the LP's, 0.86 of the known one, into 0.999)."""
-    from autopar.passes.solver import lagrange
+def _fake_bound_pool(calls: list, answer):
+    """A WorkerPool stand-in for lagrange.py: records each round's requests in `calls` and
+    answers every subproblem with choice 0 everywhere and (status, lower bound) =
+    answer()."""
     from autopar.passes.solver.pool import Answer
-
-    calls = []
 
     class FakePool:
         grace_s = 0.0
@@ -330,12 +327,23 @@ def test_lagrangian_round_without_proof_is_solved_again_with_its_answers(monkeyp
 
         def run(self, reqs, deadline):
             calls.append(reqs)
-            status = "feasible" if len(calls) == 1 else "optimal"
+            status, lb = answer()
             n = len(reqs[0].base_arrays["sizes"])
             return [Answer({"values": np.zeros(n, np.int64)},
-                           {"status": status, "lower_bound": 0.0}) for _ in reqs]
+                           {"status": status, "lower_bound": lb}) for _ in reqs]
 
-    monkeypatch.setattr(lagrange, "WorkerPool", FakePool)
+    return FakePool
+
+
+def test_lagrangian_round_without_proof_is_solved_again_with_its_answers(monkeypatch):
+    """A round whose subproblems toulbar2 did not prove is solved again at the same
+    prices, each warm-started and bounded by the cheapest answer just found (on IOPDDL M
+    this turned a bound stuck at the LP's, 0.86 of the known one, into 0.999)."""
+    from autopar.passes.solver import lagrange
+
+    calls = []
+    monkeypatch.setattr(lagrange, "WorkerPool", _fake_bound_pool(
+        calls, lambda: ("feasible" if len(calls) == 1 else "optimal", 0.0)))
     p = random_problem(4, "tight")
     lagrange.lagrangian_bound(p, time_limit_s=1.5, upper_bound=brute_force(p))
     assert len(calls) >= 2
@@ -344,6 +352,28 @@ def test_lagrangian_round_without_proof_is_solved_again_with_its_answers(monkeyp
     for a, b in zip(first, again):
         np.testing.assert_array_equal(a.arrays["unary"], b.arrays["unary"])  # same prices
         assert "ub" in b.meta and "best" in b.arrays
+
+
+@pytest.mark.parametrize("tb2_better", [False, True])
+def test_lagrangian_goes_back_to_the_lp_dual_when_toulbar2_bounds_worse(monkeypatch,
+                                                                         tb2_better):
+    """Where toulbar2's first bounds (round and retry) are below the LP dual's, the rest of
+    the time goes to the LP dual (IOPDDL S: 0.815 of the known bound -> 0.95); where they
+    are above, the subgradient rounds go on."""
+    from autopar.passes.solver import lagrange
+
+    calls = []
+    monkeypatch.setattr(lagrange, "WorkerPool", _fake_bound_pool(
+        calls, lambda: ("feasible", 1e30 if tb2_better else -1e30)))
+    p = random_problem(4, "tight")
+    want = brute_force(p)
+    lb, stats = lagrange.lagrangian_bound(p, time_limit_s=1.5, upper_bound=want)
+    if tb2_better:
+        assert len(calls) > 2 and "lagrange_lp_resumed" not in stats
+    else:
+        assert len(calls) == 2 and stats["lagrange_lp_resumed"]
+        assert stats["lagrange_seconds"] >= 1.4  # the LP dual used the rest of the time
+        assert stats["lp_bound"] <= lb <= want + 1e-6 * max(1.0, abs(want))
 
 
 def _dense_problem(seed: int, limit: bool) -> ShardingProblem:

@@ -17,6 +17,15 @@ more at the same prices with the answers it just found (with such a bound toulba
 proves in seconds what it could not bound in a whole slice without one).  Model costs are
 rounded to integers: the bound gives back half a unit per cost function so that it stays
 valid.
+
+Where toulbar2 bounds the subproblems no better than the LP dual does (IOPDDL S: it proves
+none of them in a slice, and its first two rounds at the LP's prices gave 1.197e9 and
+1.198e9 against the LP's 1.213e9), the rest of the time goes back to the LP dual, resumed
+where it stopped, with a deflected subgradient (bound.DualAscent).  IOPDDL S, 240 s, this
+machine kind, bound / best known bound: 0.815 with toulbar2's rounds to the end (the best
+known cost as upper bound); with the LP dual resumed, 0.937 (the same; the LP's old edge
+loop, patience 30), 0.950 (our cost 1.033x the best as upper bound; the faster loop),
+0.978 (patience 320: benchmarks/results/solver_iopddl.md).
 """
 
 from __future__ import annotations
@@ -25,13 +34,15 @@ import time
 
 import numpy as np
 
-from autopar.passes.solver.bound import dual_prices
+from autopar.passes.solver.bound import DualAscent
 from autopar.passes.solver.penalty import Penalty
 from autopar.passes.solver.pool import Request, WorkerPool
 from autopar.passes.solver.problem import ShardingProblem
 from autopar.passes.solver.reduce import reduce_problem
 
 _LP_SHARE = 0.15  # of the time: the pairwise-LP prices to start from
+# The LP dual's subgradient: deflection and patience (bound.DualAscent; measured on S).
+_DEFLECTION, _PATIENCE = 0.95, 320
 
 
 def lagrangian_bound(problem: ShardingProblem, time_limit_s: float,
@@ -50,9 +61,12 @@ def lagrangian_bound(problem: ShardingProblem, time_limit_s: float,
         return red.offset, stats
     ncp = len(red.cap)
     ub = None if upper_bound is None else upper_bound - red.offset
-    lp, mu, _ = dual_prices(red, t0 + _LP_SHARE * time_limit_s,
-                            ub if ub is not None else np.inf)
+    lp_dual = DualAscent(red, ub if ub is not None else np.inf, deflection=_DEFLECTION,
+                         patience=_PATIENCE)
+    lp = lp_dual.run(t0 + _LP_SHARE * time_limit_s)
+    mu = lp_dual.best_mu
     best = lp if np.isfinite(lp) else -np.inf
+    tb2_best = -np.inf  # the best of toulbar2's bounds
     stats["lp_bound"] = lp + red.offset
     pen = Penalty(red, 1.0, 1)
     slack = 0.5 * (red.num_nodes + len(red.edges)) / pen.scale
@@ -106,6 +120,7 @@ def lagrangian_bound(problem: ShardingProblem, time_limit_s: float,
                 if "values" in ans.arrays:
                     found.append(ans.arrays["values"])
                 best = max(best, val)
+                tb2_best = max(tb2_best, val)
                 if val > center_val and x is not None:
                     center, center_val, warm, improved = m, val, x, True
                     center_g = pen.usage(x) - red.cap
@@ -118,11 +133,18 @@ def lagrangian_bound(problem: ShardingProblem, time_limit_s: float,
                 # proves in seconds what it could not bound in a whole slice without one.
                 retry = cands
                 continue
+            if stats["lagrange_rounds"] <= 2 and tb2_best <= lp:
+                # toulbar2 bounds these subproblems no better than the LP dual: the rest
+                # of the time goes to the LP dual.
+                stats["lagrange_lp_resumed"] = True
+                best = max(best, lp_dual.run(deadline))
+                break
             if not improved:
                 theta *= 0.5
             if unproven:
                 slice_s *= 1.25  # the subproblems need more time to bound well
     stats["lagrange_seconds"] = time.perf_counter() - t0
+    stats["lp_seconds"], stats["lp_iterations"] = lp_dual.seconds, lp_dual.iterations
     if not np.isfinite(best):
         return None, stats
     return best + red.offset, stats
