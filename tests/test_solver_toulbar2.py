@@ -25,6 +25,7 @@ from autopar.passes.solver import (
     InfeasibleError,
     ShardingProblem,
     evaluate,
+    lns,
     load_iopddl,
     solve,
 )
@@ -162,6 +163,9 @@ def test_penalty_and_lns_path(monkeypatch):
     assert sol.feasible and sol.cost >= 217_039.0
     assert evaluate(p, sol.strategies) == (pytest.approx(sol.cost), True)
     assert sol.stats["penalty_solves"] >= 1
+    if lns.available():  # the loop's answers are recombined before the LNS
+        assert sol.stats["merge_answers"] >= 1
+        assert sol.stats["merge_cost"] <= sol.stats["penalty_cost"]
 
 
 def test_penalty_weights_from_memory_prices(monkeypatch):
@@ -226,10 +230,14 @@ def test_last_round_answers_get_the_final_polish(final_polish_s):
             time.sleep(max(0.0, deadline + 0.05 - time.perf_counter()))
             return [Answer({"values": x}, {}), Answer({"values": y}, {})]
 
+    answers = []
     best, cost, counts = penalty_search(red, LocalSearch(red, 0), FakePool(), deadline, 1.0,
                                         1.0, hard_deadline=deadline + 30.0,
-                                        final_polish_s=final_polish_s)
+                                        final_polish_s=final_polish_s, answers=answers)
     assert counts["penalty_rounds"] == 2
+    # Every answer is kept for the recombination (merge.py), over the limit or not.
+    assert [(c, list(z)) for c, z in answers] == [
+        (pen.real_cost(z), list(z)) for z in (y, y, x, y)]
     assert (pen.usage(best) <= red.cap).all() and cost == pytest.approx(pen.real_cost(best))
     assert cost <= pen.real_cost(y)
     assert counts["penalty_repaired"] == (1 if final_polish_s else 0)

@@ -35,18 +35,21 @@ def available() -> bool:
     return importlib.util.find_spec("highspy") is not None
 
 
-def build_model(ls: LocalSearch, region: np.ndarray, whole: bool = False):
+def build_model(ls: LocalSearch, region: np.ndarray, whole: bool = False,
+                domains: list[np.ndarray] | None = None):
     """The sub-MIP of `region` given the rest of ls's state.
 
     Returns (arrays for Highs.passModel, column layout) or None if the region has no
     choice to make.  With whole=True the region is every node and capacities are ls.cap.
+    domains: per region node, a boolean mask of the strategies it may take (merge.py);
+    its current strategy stays allowed either way.
     """
     nreg = len(region)
     pos = {int(v): i for i, v in enumerate(region)}
     s = ls.s
     unary = []
     allowed = []
-    for v in region.tolist():
+    for i, v in enumerate(region.tolist()):
         t = ls.tot[v].copy()
         fb = ls.forb[v].copy()
         if not whole:
@@ -58,6 +61,8 @@ def build_model(ls: LocalSearch, region: np.ndarray, whole: bool = False):
             t = ls.cf[v]
             fb = ls.cb[v]
         ok = fb == 0
+        if domains is not None:
+            ok &= domains[i]
         if not whole and not ok[s[v]]:
             ok[s[v]] = True  # keep the current choice available (warm start)
         unary.append(t)
@@ -212,13 +217,15 @@ def warm_values(ls: LocalSearch, region: np.ndarray, model: dict, layout: dict) 
     return x  # the U columns follow from the rows; HiGHS completes them
 
 
-def solve_region(ls: LocalSearch, region: np.ndarray, time_limit: float) -> tuple[int, bool]:
-    """Re-solves `region` exactly (up to the time limit); applies an improvement.
+def solve_region(ls: LocalSearch, region: np.ndarray, time_limit: float,
+                 domains: list[np.ndarray] | None = None) -> tuple[int, bool]:
+    """Re-solves `region` exactly (up to the time limit; with `domains`, over those
+    strategies only: build_model); applies an improvement.
 
     Returns the number of nodes changed (0 if no better answer was found) and whether
     HiGHS proved the region's answer optimal.
     """
-    model, layout = build_model(ls, region)
+    model, layout = build_model(ls, region, domains=domains)
     h = _highs(model, time_limit, mip=True)
     x0 = warm_values(ls, region, model, layout)
     nint = int(layout["xoff"][-1])

@@ -202,7 +202,7 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
                    w0: float | np.ndarray, solve_s: float, seed: int = 0, levels: int | None = None,
                    log: list | None = None, hard_deadline: float | None = None,
                    on_first_round: Callable[[float], None] | None = None,
-                   final_polish_s: float = 0.0,
+                   final_polish_s: float = 0.0, answers: list | None = None,
                    ) -> tuple[np.ndarray | None, float, dict]:
     """Rounds of penalized toulbar2 solves until `deadline` (time.perf_counter()), or
     until `hard_deadline` while no feasible answer has been found.
@@ -220,7 +220,8 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
     get `final_polish_s` seconds past it (within `hard_deadline`) for their repair and
     polish, the cheapest first.  `log` (a list) receives (time.perf_counter(), level,
     within the limit, largest overflow, cost) per answer, with level -1 for each new best
-    after the polish.
+    after the polish.  `answers` (a list) receives (cost, choice) for every toulbar2
+    answer without a forbidden term, within the limit or not (merge.py recombines them).
     """
     hard_deadline = deadline if hard_deadline is None else max(deadline, hard_deadline)
     levels = levels or pool.size
@@ -284,10 +285,10 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
         if counts["penalty_rounds"] == 0 and on_first_round is not None:
             on_first_round(min(end, time.perf_counter() + solve_s))
         polish(min(end, time.perf_counter() + solve_s))
-        answers = pool.wait(batch, end)
+        replies = pool.wait(batch, end)
         counts["penalty_rounds"] += 1
         xs = [ans.arrays["values"] if ans is not None and "values" in ans.arrays else x0
-              for ans, x0 in zip(answers, warm)]  # no answer below the bound: x0 stands
+              for ans, x0 in zip(replies, warm)]  # no answer below the bound: x0 stands
         if any(x is None for x in xs):
             solve_s *= 1.5
         broken: list[np.ndarray | None] = []
@@ -300,15 +301,18 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
             over = pen.usage(x) - red.cap
             br = pen.node_overflow(over)
             broken.append(br)
-            ok = not br.any() and bool(np.all(over <= 1e-9)) and pen.allowed(x)
+            allowed = pen.allowed(x)
+            ok = not br.any() and bool(np.all(over <= 1e-9)) and allowed
             if log is not None:
                 log.append((time.perf_counter(), j, ok, float(over.max()) if len(over) else 0.0,
                             pen.real_cost(x)))
             if ok:
                 counts["penalty_feasible"] += 1
                 pending.append((x, True))
-            elif pen.allowed(x):
+            elif allowed:
                 pending.append((x, False))
+            if answers is not None and allowed:
+                answers.append((pen.real_cost(x), x))
         pen.update(ws, broken)
     if found["best"] is None:
         polish(hard_deadline)  # the first feasible answer is worth a late polish

@@ -10,8 +10,9 @@ leaves and chains already gone):
   large problems: memory prices from the pairwise-LP dual (bound.py) for the first
      penalty weights, the penalty loop (penalty.py) for most of the time, the
      local-search answer computed here while the workers solve its first round (the
-     fallback), then large-neighbourhood search with toulbar2 sub-solves (tb2_lns.py) on
-     the best answer for the last LNS_SHARE of the time.
+     fallback), the recombination of the loop's answers by HiGHS (merge.py, when
+     highspy is installed), then large-neighbourhood search with toulbar2 sub-solves
+     (tb2_lns.py) on the best answer for the last LNS_SHARE of the time.
 Every toulbar2 solve runs in a worker process (pool.py) under a wall-clock guard.
 
 Determinism: with the same seed the exact path returns the same answer whenever toulbar2
@@ -27,9 +28,11 @@ import time
 
 import numpy as np
 
+from autopar.passes.solver import lns
 from autopar.passes.solver.bound import dual_prices
 from autopar.passes.solver.cfn import live_set_constraints, reduced_model
 from autopar.passes.solver.heuristic import LocalSearch, heuristic, initial_strategies
+from autopar.passes.solver.merge import merge
 from autopar.passes.solver.penalty import penalty_search
 from autopar.passes.solver.pool import Answer, InlinePool, Request, WorkerPool
 from autopar.passes.solver.reduce import Reduced
@@ -60,6 +63,9 @@ PENALTY_SOLVE_S = (8.0, 20.0)
 # limit by 3.1e7 bytes, repaired and polished to 1.5891e9 in 1.8 s, the loop's best before
 # it 1.5957e9.
 FINAL_POLISH_SHARE = 0.05
+# Large problems: after the penalty loop, its answers are recombined (merge.py; needs
+# highspy) for at most this share of the time after the first answer, before the LNS.
+MERGE_SHARE = 0.1
 # Large problems: the first penalty weights come from memory prices, the pairwise-LP
 # dual's (bound.dual_prices), computed in PRICE_SHARE of the penalty loop's time (at most
 # PRICE_MAX_S seconds): node v's weight is PRICE_FACTOR x the sum of the prices over its
@@ -186,14 +192,21 @@ def solve_toulbar2(red: Reduced, deadline: float, seed: int = 0, threads: int = 
                 red, float(ls.cost), t1 + min(PRICE_MAX_S, PRICE_SHARE * (lns_start - t1)))
             stats.update(pstats0)
             solve_s = float(np.clip((lns_start - t1) / PENALTY_ROUNDS, *PENALTY_SOLVE_S))
+            answers: list = []
             x, cost, pstats = penalty_search(red, ls, pool, lns_start, w0, solve_s, seed,
                                              hard_deadline=deadline,
                                              final_polish_s=FINAL_POLISH_SHARE * (lns_start - t1),
-                                             on_first_round=lambda stop: local_search(stop, 0))
+                                             on_first_round=lambda stop: local_search(stop, 0),
+                                             answers=answers)
             stats.update(pstats, penalty_cost=cost)
             if x is not None:
                 best, status = x, "feasible"
                 ls.reset(best)
+                if answers and lns.available():
+                    answers.sort(key=lambda a: a[0])
+                    stop = min(deadline, time.perf_counter() + MERGE_SHARE * (deadline - t1))
+                    stats.update(merge(ls, [a[1] for a in answers], stop),
+                                 merge_cost=float(ls.cost))
                 lstats = tb2_lns(ls, pool, deadline, seed=seed)
                 stats.update(lstats)
                 best = np.array(ls.s, np.int64)
