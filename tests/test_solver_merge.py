@@ -93,3 +93,56 @@ def test_merge_stops_adding_answers_at_its_strategy_budget():
     stats = merge(ls, [other, other], time.perf_counter() + 5.0, max_extra=extra)
     assert stats["merge_answers"] == 2 and stats["merge_strategies"] == extra
     assert stats["merge_nodes"] == extra
+
+
+def test_penalty_loop_recombines_its_answers_each_round():
+    """penalty_search's recombine step: a fake pool answers the cheapest choice (over the
+    limit) and a feasible one each round.  The step gets the best feasible answer in
+    `ls` and the answers so far cheapest first, and what it leaves in `ls` becomes the
+    loop's best (here the brute-force optimum, which the polish alone misses on this
+    problem: 427 against 408).  With merge as the step, the loop's best is at least as
+    cheap as the best feasible mix of the two answers."""
+    from autopar.passes.solver.penalty import Penalty, penalty_search
+    from autopar.passes.solver.pool import Answer
+
+    red, _ = reduce_problem(random_problem(59, "tight"))
+    pen = Penalty(red, 1.0, 2)
+
+    def fits(z) -> bool:
+        return bool((pen.usage(z) <= red.cap + 1e-9).all()) and pen.allowed(z)
+
+    choices = [np.array(z) for z in itertools.product(*[range(c.size) for c in red.costs])]
+    x = min(choices, key=pen.real_cost)
+    y = initial_strategies(red)
+    opt = min((z for z in choices if fits(z)), key=pen.real_cost)
+    assert not fits(x) and fits(y)
+    mixes = [np.array(z) for z in itertools.product(*[sorted({int(a), int(b)})
+                                                         for a, b in zip(x, y)])]
+    want = min(pen.real_cost(z) for z in mixes if fits(z))
+    assert pen.real_cost(opt) < want < pen.real_cost(y)
+
+    class FakePool:
+        size = 2
+
+        def start(self, reqs):
+            return None
+
+        def wait(self, batch, end):
+            time.sleep(0.05)
+            return [Answer({"values": x}, {}), Answer({"values": y}, {})]
+
+    calls = []
+
+    def to_optimum(ls, answers, stop):
+        calls.append(([pen.real_cost(a) for a in answers], fits(np.array(ls.s))))
+        ls.reset(opt)
+
+    for step in (to_optimum, merge):
+        answers = []
+        best, cost, counts = penalty_search(red, LocalSearch(red, 0), FakePool(),
+                                            time.perf_counter() + 1.5, 1.0, 1.0,
+                                            answers=answers, recombine=step)
+        assert counts["penalty_recombined"] >= 1
+        assert fits(best) and cost == pytest.approx(pen.real_cost(best))
+        assert cost <= (pen.real_cost(opt) if step is to_optimum else want) + 1e-9
+    assert calls and all(ok and costs == sorted(costs) for costs, ok in calls)

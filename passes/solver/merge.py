@@ -1,19 +1,23 @@
 """Optimal recombination: the best answer built from the strategies of several answers.
 
 The penalty loop (penalty.py) leaves a dozen answers behind: cheap ones over the memory
-limit, dearer ones within it.  They agree on most nodes and differ on a few thousand,
-and each of those nodes has only the few strategies the answers gave it.  Over those
-nodes and those strategies alone (every other node fixed at the incumbent's), the
-memory-constrained problem is a small MIP that HiGHS solves to optimality in seconds
-(lns.solve_region with domains), and the recombined answer can be far cheaper than any
-repair of one answer: it takes the cheap answers' choices wherever memory allows.
+limit, dearer ones within it.  They agree on about half of the nodes (S: 12,000 of
+25,872 differ), and each differing node has only the few strategies the answers gave
+it.  Over those nodes and those strategies alone (every other node fixed at the
+incumbent's), the memory-constrained problem is a small MIP that HiGHS solves to
+optimality in seconds (lns.solve_region with domains), and the recombined answer can be
+far cheaper than any repair of one answer: it takes the cheap answers' choices wherever
+memory allows.
 
-Measured on IOPDDL S (the 14 answers of one run's penalty loop, one core): 11,926 nodes
-differ, HiGHS proves the recombination optimal in 11 s, and it costs 1.5348e9 (1.0085 of
-the best known cost) where the best repaired answer cost 1.5846e9 and 65 s of LNS after
-it ended at 1.5612e9.  A greedy repair (heuristic.repair_memory) and an exact re-solve of
-every node live at the overflowing checkpoints (outside nodes fixed) of the cheapest
-answer (1.5208e9, over by 3.3e7 bytes) both end at 1.594e9.
+Measured on IOPDDL S (one core; cost / best known 1,521,949,307): on the 14 answers one
+run's penalty loop left, 11,926 nodes differ by 15,154 strategies; HiGHS proves the
+recombination optimal in 9.5 s, at 1.5354e9 (1.0088), where the best repaired answer
+cost 1.5846e9 and that run's 65 s of LNS after it ended at 1.5612e9.  From the cheapest
+answer alone (1.5208e9, over the limit by 3.3e7 bytes), a greedy repair
+(heuristic.repair_memory) and an exact re-solve of every node live at the overflowing
+checkpoints (the rest fixed) both end at 1.594e9.  The penalty loop recombines after
+every round (penalty.py), and later rounds start from the result: whole solves on S
+ended at 0.9965-0.9997 (toulbar2.py).
 (The idea is the "optimized crossover" of genetic algorithms; this is our own take.)
 """
 
@@ -27,7 +31,7 @@ from autopar.passes.solver import lns
 from autopar.passes.solver.heuristic import LocalSearch
 
 # At most this many strategies (beyond the incumbent's) over the merged nodes: the answers
-# are added cheapest first until one would pass it.  S's 14 answers add ~30,000.
+# are added cheapest first until one would pass it.  S's 14 answers add ~15,000.
 MAX_EXTRA_STRATEGIES = 200_000
 
 
