@@ -49,7 +49,6 @@ def merge(ls: LocalSearch, answers: list[np.ndarray], deadline: float,
     """
     t0 = time.perf_counter()
     base = np.asarray(ls.s, np.int64)
-    sizes = [len(c) for c in ls.cf]
     extra: dict[int, set[int]] = {}
     used = count = 0
     for x in answers:
@@ -68,7 +67,7 @@ def merge(ls: LocalSearch, answers: list[np.ndarray], deadline: float,
         region = np.array(sorted(extra), np.int64)
         domains = []
         for v in region.tolist():
-            m = np.zeros(sizes[v], bool)
+            m = np.zeros(ls.cf[v].size, bool)
             m[base[v]] = True
             m[list(extra[v])] = True
             domains.append(m)
