@@ -40,17 +40,20 @@ from autopar.cost_model import ClusterSpec  # noqa: E402
 from autopar.cost_model.jsonio import write_json_atomic  # noqa: E402
 from autopar.plan import Plan  # noqa: E402
 from benchmarks import suite  # noqa: E402
+from benchmarks.stamp import stamp  # noqa: E402
 
 
-def audit_case(row: dict, cluster: ClusterSpec, global_batch: int) -> dict | None:
-    """Compiles the case's autopar plan on emulated devices; None if it does not fit."""
+def audit_case(row: dict, cluster: ClusterSpec, global_batch: int,
+               overrides: dict | None = None) -> dict | None:
+    """Compiles the case's autopar plan (the zoo model with the suite's config `overrides`)
+    on emulated devices; None if it does not fit."""
     n = row["devices"]
     entry = row["strategies"].get("autopar", {})
     if "plan" not in entry or n > len(jax.devices()):
         return None
     plan = Plan.from_json(entry["plan"])
     sub = suite.case_cluster(cluster, n)
-    step, args = zoo.train_step_and_args(row["model"], global_batch)
+    step, args = zoo.train_step_and_args(row["model"], global_batch, overrides=overrides)
     t0 = time.perf_counter()
     par = autopar.parallelize(step, plan=plan, devices=jax.devices()[:n], cluster=sub)
     compiled = par.lower(*args).compile()
@@ -66,12 +69,14 @@ def run(path: str | os.PathLike) -> dict:
     data = json.loads(path.read_text())
     cluster = ClusterSpec.from_json(data["cluster"])
     for row in data["rows"]:
-        result = audit_case(row, cluster, data["global_batch"])
+        result = audit_case(row, cluster, data["global_batch"], data.get("overrides"))
         if result is not None:
             row["audit"] = result
             print(f"{row['devices']} x {row['model']}: {result}", file=sys.stderr, flush=True)
+    # The suite's own stamp ("meta") says who priced the rows; this one who audited them.
+    data["audit_meta"] = stamp()
     write_json_atomic(path, data)
-    text = suite.markdown(data["suite"], cluster, data["rows"], data["wall_s"])
+    text = suite.markdown(data["suite"], cluster, data["rows"], data["wall_s"], data)
     md = path.with_suffix(".md")
     tmp = md.with_suffix(".md.tmp")
     tmp.write_text(text)

@@ -53,7 +53,7 @@ from autopar.pipeline_planner import (
     update_time_s,
 )
 from benchmarks.baselines import megatron_dim
-from benchmarks.workload import Workload
+from benchmarks.workload import Overrides, Workload
 
 # ----------------------------------------------------------------------------- param rules
 
@@ -85,10 +85,15 @@ def param_rule(kind: str) -> Callable[[str, Sequence[int], MeshContext], Spec | 
 
     * "replicated" (data parallel, ZeRO-2): every device holds the whole parameter;
     * "zero3": split on its largest evenly divisible dim over dp;
-    * "tensor": split over tp by `tensor_parallel_dim`, else replicated.
+    * "tensor": split over tp by `tensor_parallel_dim`, else replicated;
+    * "free": left to the search (None), the batch still split over dp (Alpa's
+      `force_batch_dim_to_mesh_dim`; "auto" leaves the batch free too).
     """
     def replicate(name, shape, mesh):
         return replicated(len(shape))
+
+    def free(name, shape, mesh):
+        return None
 
     def zero3(name, shape, mesh):
         n = mesh.shape[0]
@@ -102,7 +107,7 @@ def param_rule(kind: str) -> Callable[[str, Sequence[int], MeshContext], Spec | 
             return replicated(len(shape))
         return _split(shape, d, ("y",))
 
-    rules = {"replicated": replicate, "zero3": zero3, "tensor": tensor}
+    rules = {"replicated": replicate, "zero3": zero3, "tensor": tensor, "free": free}
     if kind not in rules:
         raise ValueError(f"unknown parameter rule {kind!r}; known: {sorted(rules)}")
     return rules[kind]
@@ -158,12 +163,14 @@ class Evaluation:
 
 
 class Pricer:
-    """Prices layers and layouts for one model on one cluster, caching layer solves by
-    (micro-batches, layer program, sub-mesh, logical mesh, parameter rule)."""
+    """Prices layers and layouts for one model (the zoo's, its config's `overrides`
+    replaced) on one cluster, caching layer solves by (micro-batches, layer program,
+    sub-mesh, logical mesh, parameter rule)."""
 
     def __init__(self, model: str, global_batch: int, cluster: ClusterSpec,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, overrides: Overrides = ()):
         self.model = model
+        self.overrides = tuple(overrides)
         self.global_batch = global_batch
         self.cluster = cluster
         self.progress = progress
@@ -171,7 +178,7 @@ class Pricer:
         self.solves = 0
 
     def workload(self, micro: int) -> Workload:
-        return Workload.build(self.model, self.global_batch, micro)
+        return Workload.build(self.model, self.global_batch, micro, self.overrides)
 
     def submesh(self, n: int) -> tuple[int, int]:
         per_host = self.cluster.devices_per_host
@@ -216,10 +223,12 @@ class Pricer:
     # -- the step model --------------------------------------------------------------------
 
     def evaluate(self, layout: Layout, stages: Sequence[tuple[tuple[int, int], tuple[int, ...]]]
-                 | None = None, held: Sequence[HeldState] | None = None) -> Evaluation:
+                 | None = None, held: Sequence[HeldState] | None = None,
+                 rules: Sequence[str] | None = None) -> Evaluation:
         """Predicted step of `layout` (uniform stages) or of explicit `stages` ((first, last)
-        layer, logical mesh shape) with the layout's micro-batches and rule; `held`, one per
-        stage, prices each stage's update as a plan holds its parameters and state."""
+        layer, logical mesh shape) with the layout's micro-batches and rule (`rules`, one per
+        stage, where the stages differ); `held`, one per stage, prices each stage's update as
+        a plan holds its parameters and state."""
         w = self.workload(layout.micro)
         if stages is None:
             if layout.pp > len(w.layers):
@@ -229,9 +238,18 @@ class Pricer:
                       for layers in equal_ranges(len(w.layers), layout.pp)]
         costs = []
         for s, (layers, mesh_shape) in enumerate(stages):
-            costs.append(self._stage(w, layout, layers, tuple(mesh_shape),
+            stage_layout = layout if rules is None else dataclasses.replace(
+                layout, params=rules[s])
+            costs.append(self._stage(w, stage_layout, layers, tuple(mesh_shape),
                                      in_flight=len(stages) - s,
                                      held=held[s] if held is not None else None))
+        return self._step(w, layout, stages, costs)
+
+    def _step(self, w: Workload, layout: Layout,
+              stages: Sequence[tuple[tuple[int, int], tuple[int, ...]]],
+              costs: list[StageCost]) -> Evaluation:
+        """The step model over priced stages: transfers added, then Σ t + (B − 1)·max t +
+        max u + per-step moves; memory the largest stage's."""
         moves, per_step = self._transfers(w, stages)
         costs = [dataclasses.replace(c, per_micro_s=c.per_micro_s + t)
                  for c, t in zip(costs, moves)]
@@ -374,13 +392,14 @@ def grid_3d(num_devices: int, devices_per_host: int, num_layers: int, global_bat
 def best_fitting(pricer: Pricer, layouts: Sequence[Layout]) -> tuple[Evaluation | None,
                                                                     list[Evaluation]]:
     """The fastest of `layouts` that fits memory (None if none fits), and every evaluation.
-    Layouts of one (strategy, dp, tp, pp) are tried from the most micro-batches (least
+    Layouts of one (strategy, dp, tp, pp, state split) are tried from the most micro-batches (least
     activation memory, smallest pipeline bubble) down, stopping at the first that does
     not fit or is slower than the one before."""
     evals: list[Evaluation] = []
     groups: dict[tuple, list[Layout]] = {}
     for lay in layouts:
-        groups.setdefault((lay.strategy, lay.dp, lay.tp, lay.pp), []).append(lay)
+        groups.setdefault((lay.strategy, lay.dp, lay.tp, lay.pp, lay.zero_state),
+                          []).append(lay)
     for group in groups.values():
         best_here = None
         for lay in sorted(group, key=lambda x: -x.micro):

@@ -5,12 +5,24 @@
 
 Per case (devices → model, the Alpa paper's automatic suites) the strategies are: data
 parallel, ZeRO-2, ZeRO-3, Megatron-style tensor parallel within a host + data parallel
-across, the best manual 3-D plan of a grid over (dp, tp, pp, micro-batches), autopar
-intra-op only (one stage over all devices) and autopar PipeshardParallel.  Every strategy
-is priced by the same step model (`benchmarks.layouts`); a hand-written strategy takes the
-fastest micro-batch count that fits memory; autopar chooses its own with
-`num_micro_batches="auto"`, falling back to the best hand-written plan's count and 4 times it
-(`_autopar_tries`).
+across, the best manual 3-D plan of a grid over (dp, tp, pp, micro-batches, optimizer state
+split over dp or not), Alpa's own published plan for the case (`benchmarks.alpa_plans`),
+autopar intra-op only (one stage over all devices) and autopar PipeshardParallel.
+
+Fairness rules (issue 41):
+* one layout per row: a row's time and memory come from the same layer solutions — the
+  hand-written rows' and Alpa's from the suite's step model (`benchmarks.layouts.Pricer`),
+  autopar's rows from the plan `autopar.plan` returns (its own prediction, which adds the
+  re-layouts between a stage's layers and amortizes the update over the micro-batches:
+  never cheaper than the step model on the same layers);
+* every row gets the same micro-batch candidates (powers of two, `micro_candidates`); a
+  hand-written strategy takes the fastest count that fits memory; autopar chooses its own
+  with `num_micro_batches="auto"`, falling back to counts from the best hand-written plan's
+  upward (`_autopar_tries`);
+* a layout that may split the optimizer state (3-D, Alpa's plans) is tried both ways, the
+  fastest that fits kept;
+* the workload is the one Alpa's benchmark trains (`SUITES[...].overrides`: optimizer,
+  parameter dtype with a float32 master copy), for every row.
 
 Writes benchmarks/results/<suite>-<cluster>.md, .json and a throughput chart .png.
 """
@@ -18,7 +30,6 @@ Writes benchmarks/results/<suite>-<cluster>.md, .json and a throughput chart .pn
 from __future__ import annotations
 
 import dataclasses
-import math
 import pathlib
 import sys
 import time
@@ -29,24 +40,54 @@ from autopar import models as zoo
 from autopar.cost_model import ClusterSpec
 from autopar.cost_model.jsonio import write_json_atomic
 from autopar.pipeline_planner import state_floor_bytes
-from benchmarks.layouts import Evaluation, Layout, Pricer, best_fitting, grid_3d, micro_candidates
+from benchmarks import alpa_plans
+from benchmarks.layouts import (
+    Evaluation,
+    Layout,
+    Pricer,
+    StageCost,
+    best_fitting,
+    grid_3d,
+    micro_candidates,
+)
+from benchmarks.stamp import stamp, stamp_markdown
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
-SUITES: dict[str, tuple[int, list[tuple[int, str]]]] = {
-    "gpt": (1024, [(1, "gpt-350m"), (2, "gpt-760m"), (4, "gpt-1.3b"), (8, "gpt-2.6b"),
-                   (16, "gpt-6.7b"), (32, "gpt-15b"), (64, "gpt-39b")]),
-    "moe": (1024, [(1, "moe-380m"), (2, "moe-690m"), (4, "moe-1.3b"), (8, "moe-2.4b"),
-                   (16, "moe-10b"), (32, "moe-27b"), (64, "moe-70b")]),
-    "wrn": (1536, [(1, "wrn-250m"), (2, "wrn-500m"), (4, "wrn-1b"), (8, "wrn-2b"),
-                   (16, "wrn-4b"), (32, "wrn-6.8b")]),
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    """A weak-scaling suite: `global_batch`, `cases` (devices, zoo model), the zoo config
+    `overrides` that make the workload Alpa's, and `source`, where Alpa's benchmark sets it."""
+
+    global_batch: int
+    cases: tuple[tuple[int, str], ...]
+    overrides: tuple[tuple[str, object], ...] = ()
+    source: str = ""
+
+
+SUITES: dict[str, Suite] = {
+    "gpt": Suite(1024, ((1, "gpt-350m"), (2, "gpt-760m"), (4, "gpt-1.3b"), (8, "gpt-2.6b"),
+                        (16, "gpt-6.7b"), (32, "gpt-15b"), (64, "gpt-39b")),
+                 (("param_dtype", "float16"), ("optimizer", "adamw")),
+                 "alpa `benchmark_one_case_gpt_bert.py`: AdamW, float16 parameters with a "
+                 "float32 master copy (`TrainState(mixed_precision=True)`), remat"),
+    "moe": Suite(1024, ((1, "moe-380m"), (2, "moe-690m"), (4, "moe-1.3b"), (8, "moe-2.4b"),
+                        (16, "moe-10b"), (32, "moe-27b"), (64, "moe-70b")),
+                 (("param_dtype", "float16"), ("optimizer", "adafactor")),
+                 "alpa `benchmark_one_case_moe.py`: Adafactor (`optax_adafactor`, optax's "
+                 "defaults), float16 parameters with a float32 master copy, remat"),
+    "wrn": Suite(1536, ((1, "wrn-250m"), (2, "wrn-500m"), (4, "wrn-1b"), (8, "wrn-2b"),
+                        (16, "wrn-4b"), (32, "wrn-6.8b")),
+                 (("optimizer", "sgd-nesterov"),),
+                 "alpa `benchmark_one_case_wresnet.py`: SGD, momentum 0.9, Nesterov; "
+                 "float32 (`suite_wresnet.py`), remat"),
 }
-STRATEGIES = ("dp", "zero2", "zero3", "megatron", "3d", "autopar-shard", "autopar")
+STRATEGIES = ("dp", "zero2", "zero3", "megatron", "3d", "alpa", "autopar-shard", "autopar")
+BASELINES = ("dp", "zero2", "zero3", "megatron", "3d")
 LABELS = {"dp": "Data parallel", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
-          "megatron": "Megatron TP+DP", "3d": "Best manual 3-D", "autopar-shard":
-          "autopar intra-op", "autopar": "autopar (pipeshard)"}
-# Micro-batch counts tried per hand-written (dp, tp, pp): powers of 4 keep the grid small.
-MICRO_STEP = 4
+          "megatron": "Megatron TP+DP", "3d": "Best manual 3-D", "alpa": "Alpa's plan",
+          "autopar-shard": "autopar intra-op", "autopar": "autopar (pipeshard)"}
 
 
 def case_cluster(cluster: ClusterSpec, devices: int) -> ClusterSpec:
@@ -59,17 +100,14 @@ def case_cluster(cluster: ClusterSpec, devices: int) -> ClusterSpec:
     return cluster.with_devices(devices // per, per)
 
 
-def _micro(global_batch: int, dp: int, pp: int, max_micro: int) -> list[int]:
-    cands = micro_candidates(global_batch, dp, pp, max_micro)
-    return [b for b in cands if round(math.log(b, MICRO_STEP), 6).is_integer()
-            or b == cands[0]]
-
-
 def baseline_layouts(devices: int, devices_per_host: int, num_layers: int,
                      global_batch: int, max_micro: int = 1024) -> dict[str, list[Layout]]:
-    """Candidate layouts of every hand-written strategy for one case."""
+    """Candidate layouts of every hand-written strategy for one case (every micro-batch
+    count of `micro_candidates`; the 3-D grid with the optimizer state whole and, where
+    dp > 1, split over dp as ZeRO-2 splits it)."""
     n = devices
     tp = min(n, devices_per_host)
+    _micro = micro_candidates
     out = {
         "dp": [Layout("dp", n, 1, 1, b, "replicated") for b in _micro(global_batch, n, 1,
                                                                        max_micro)],
@@ -79,40 +117,34 @@ def baseline_layouts(devices: int, devices_per_host: int, num_layers: int,
                   for b in _micro(global_batch, n, 1, max_micro)],
         "megatron": [Layout("megatron", n // tp, tp, 1, b, "tensor")
                      for b in _micro(global_batch, n // tp, 1, max_micro)],
-        "3d": [Layout("3d", dp, t, pp, b, "tensor")
+        "3d": [Layout("3d", dp, t, pp, b, "tensor", zero_state=z, zero_gather=z)
                for dp, t, pp in grid_3d(n, devices_per_host, num_layers, global_batch,
                                         max_micro)
+               for z in ((False, True) if dp > 1 else (False,))
                for b in _micro(global_batch, dp, pp, max_micro)],
     }
     return out
 
 
-def _autopar(pricer: Pricer, step, args, cluster: ClusterSpec, method,
-             micro: int | None = None) -> tuple[Evaluation, dict]:
-    """Plans with autopar, then prices the plan with the suite's step model (at the plan's
-    micro-batch count when `micro` is None: the method chose it)."""
+def _autopar(pricer: Pricer, step, args, cluster: ClusterSpec, method
+             ) -> tuple[Evaluation, dict]:
+    """Plans with autopar and takes the plan's own prediction: the step time and the
+    memory of the layout the plan holds (one layout, as for every row)."""
     t0 = time.perf_counter()
     plan = autopar.plan(step, *args, cluster=cluster, method=method)
     seconds = time.perf_counter() - t0
-    micro = plan.num_micro_batches if micro is None else micro
-    w = pricer.workload(micro)
+    w = pricer.workload(plan.num_micro_batches)
     if plan.solver.get("layers") != len(w.layers):
         raise RuntimeError(f"{pricer.model}: autopar layered F into {plan.solver.get('layers')} "
                            f"layers, the suite's workload into {len(w.layers)}")
-    stages = [(st.layers, st.mesh_shape) for st in plan.stages]
-    # The update as the plan does it: its parameters and optimizer state where the plan
-    # holds them (ZeRO-2 splits included, with their all-gathers back).
-    held = [(dict(st.input_specs), dict(st.state_specs)) for st in plan.stages]
-    ev = pricer.evaluate(Layout("autopar", 0, 0, len(stages), micro, "auto"), stages, held)
-    # The step model re-solves each stage's layers with the optimizer state whole; the
-    # plan's own stages (the same `stage_memory_bytes`) hold the state as the plan splits it
-    # and its layers as solved (memory-lean where the fast ones did not fit): the memory is
-    # the plan's.  The time stays the step model's, as for every strategy.
+    stages = tuple(StageCost(tuple(st.layers), len(st.device_ids), tuple(st.mesh_shape),
+                             st.predicted_s, 0.0, st.memory_bytes) for st in plan.stages)
     memory = max((st.memory_bytes for st in plan.stages), default=plan.predicted.memory_bytes)
-    ev = dataclasses.replace(ev, memory_bytes=memory, oom=memory > pricer.cluster.memory_bytes)
+    ev = Evaluation(Layout("autopar", 0, 0, len(stages), plan.num_micro_batches, "auto"),
+                    plan.predicted.step_s, memory, memory > pricer.cluster.memory_bytes,
+                    stages)
     phases = {k: round(v, 2) for k, v in plan.solver.get("phases_s", {}).items()}
-    extra = {"search_s": round(seconds, 2), "phases_s": phases,
-             "planner_step_s": plan.predicted.step_s, "plan": plan.to_json()}
+    extra = {"search_s": round(seconds, 2), "phases_s": phases, "plan": plan.to_json()}
     if "micro_batch_tries" in plan.solver:
         extra["micro_batch_tries"] = plan.solver["micro_batch_tries"]
     return ev, extra
@@ -120,13 +152,10 @@ def _autopar(pricer: Pricer, step, args, cluster: ClusterSpec, method,
 
 def _autopar_tries(pricer: Pricer, name: str, best_baseline: Evaluation | None,
                    sub: ClusterSpec, global_batch: int) -> tuple[Evaluation | None, dict]:
-    """autopar with `num_micro_batches="auto"` (the planner tries the counts itself; on a
-    small case it is no slower than the two counts below, tests/test_search_speed.py); if
-    that finds no plan, or its plan runs out of memory in the step model, the counts tried
-    by hand: the best hand-written plan's micro-batch count B and MICRO_STEP x B, a count
-    whose search finds no layout that fits, or whose plan runs out of memory in the step
-    model, replaced by the next larger one."""
-    step, args = zoo.train_step_and_args(pricer.model, global_batch)
+    """autopar with `num_micro_batches="auto"` (the planner tries the counts itself); if
+    that finds no plan, or its plan does not fit, the counts by hand (`_autopar_by_hand`)."""
+    step, args = zoo.train_step_and_args(pricer.model, global_batch,
+                                         overrides=dict(pricer.overrides))
     t0 = time.perf_counter()
     try:
         ev, extra = _autopar(pricer, step, args, sub, _method(name, sub, "auto"))
@@ -149,19 +178,21 @@ def _method(name: str, sub: ClusterSpec, micro: int | str):
 
 def _autopar_by_hand(pricer: Pricer, name: str, best_baseline: Evaluation | None,
                      sub: ClusterSpec, global_batch: int) -> tuple[Evaluation | None, dict]:
-    """The best hand-written plan's count B and MICRO_STEP x B (see `_autopar_tries`);
-    keeps the faster plan; the search time is the sum over the tries."""
-    counts = _micro(global_batch, 1, 1, 1024)
+    """The micro-batch counts from the best hand-written plan's count B upward (the
+    powers of two every row tries), until two give a plan that fits; keeps the faster;
+    the search time is the sum over the tries."""
+    counts = micro_candidates(global_batch, 1, 1)
     first = best_baseline.layout.micro if best_baseline else counts[-1]
     tries = [b for b in counts if b >= first] or [first]
-    step, args = zoo.train_step_and_args(pricer.model, global_batch)
+    step, args = zoo.train_step_and_args(pricer.model, global_batch,
+                                         overrides=dict(pricer.overrides))
     searched, failures, results = 0.0, [], []
     for micro in tries:
         method = _method(name, sub, micro)
         t0 = time.perf_counter()
         try:
-            ev, extra = _autopar(pricer, step, args, sub, method, micro)
-        except ValueError as err:  # no stage layout fits the memory
+            ev, extra = _autopar(pricer, step, args, sub, method)
+        except ValueError as err:  # no stage layout fits memory (MemoryBudgetError among them)
             failures.append(f"B={micro}: {' '.join(str(err).split())[:160]}")
             searched += time.perf_counter() - t0
             continue
@@ -182,16 +213,46 @@ def _autopar_by_hand(pricer: Pricer, name: str, best_baseline: Evaluation | None
     return best, extra
 
 
+def _alpa(pricer: Pricer, suite: str, devices: int, num_layers: int
+          ) -> tuple[Evaluation | None, dict]:
+    """Alpa's published plan for the case priced by the step model: its stages mapped onto
+    autopar's layers, each stage's layers solved on Alpa's logical mesh (the batch forced
+    onto dim 0 where Alpa forced it, else free), with the optimizer state whole and split
+    over dim 0 (Alpa's `prefer_reduce_scatter`), the faster that fits kept."""
+    plan = alpa_plans.alpa_plan(suite, devices, pricer.model)
+    if plan is None:
+        return None, {"note": "Alpa published no plan for this case"}
+    try:
+        stages = alpa_plans.map_stages(plan, num_layers)
+    except ValueError as err:
+        return None, {"note": str(err)}
+    meshes = [(layers, tuple(m)) for layers, m in zip(stages, plan.logical)]
+    rules = ["free" if f else "auto" for f in plan.force_dp]
+    evals = []
+    for split in ((False, True) if any(m[0] > 1 for m in plan.logical) else (False,)):
+        layout = Layout("alpa", 0, 0, len(stages), plan.micro, "auto", zero_state=split,
+                        zero_gather=split)
+        evals.append(pricer.evaluate(layout, meshes, rules=rules))
+    fitting = [e for e in evals if not e.oom]
+    best = (min(fitting, key=lambda e: e.step_s) if fitting
+            else min(evals, key=lambda e: e.memory_bytes))
+    return best, {"alpa_plan": alpa_plans.describe(plan, stages), "tried": len(evals)}
+
+
 def run_case(devices: int, model: str, global_batch: int, cluster: ClusterSpec,
-             strategies=STRATEGIES, progress: Callable[[str], None] | None = None) -> dict:
-    """Every strategy on one case; returns a JSON-able row."""
+             strategies=STRATEGIES, progress: Callable[[str], None] | None = None,
+             suite: str = "", overrides: tuple[tuple[str, object], ...] = ()) -> dict:
+    """Every strategy on one case (the workload with the zoo config's `overrides`; Alpa's
+    plan looked up under `suite`); returns a JSON-able row."""
     sub = case_cluster(cluster, devices)
-    pricer = Pricer(model, global_batch, sub, progress=progress)
-    w = pricer.workload(_micro(global_batch, 1, 1, 1024)[0])
+    pricer = Pricer(model, global_batch, sub, progress=progress, overrides=overrides)
+    w = pricer.workload(micro_candidates(global_batch, 1, 1)[0])
     num_layers = len(w.layers)
-    flops = zoo.flops_per_step(model, global_batch)
+    fields = dict(overrides)
+    flops = zoo.flops_per_step(model, global_batch, fields)
     param_bytes = float(sum(w.value_bytes(v) for v in w.param_ids))
-    row: dict = {"devices": devices, "model": model, "params": zoo.param_count(model),
+    row: dict = {"devices": devices, "model": model,
+                 "params": zoo.param_count(model, fields),
                  "flops_per_step": flops, "layers": num_layers, "strategies": {},
                  "state_bytes_per_device_min": state_floor_bytes(
                      param_bytes, w.state_bytes_per_param_byte, devices)}
@@ -209,6 +270,8 @@ def run_case(devices: int, model: str, global_batch: int, cluster: ClusterSpec,
             if best is not None and not best.oom and (
                     best_baseline is None or best.step_s < best_baseline.step_s):
                 best_baseline = best
+        elif name == "alpa":
+            best, extra = _alpa(pricer, suite, devices, num_layers)
         else:
             best, extra = _autopar_tries(pricer, name, best_baseline, sub, global_batch)
         seconds = time.perf_counter() - t0
@@ -221,12 +284,15 @@ def run_case(devices: int, model: str, global_batch: int, cluster: ClusterSpec,
         row["strategies"][name] = entry
         if progress:
             progress(f"{model}: {name} done")
-    fitting = [row["strategies"][s]["step_s"] for s in ("dp", "zero2", "zero3", "megatron", "3d")
+    fitting = [row["strategies"][s]["step_s"] for s in BASELINES
                if s in row["strategies"] and not row["strategies"][s].get("oom", True)]
     row["best_baseline_s"] = min(fitting) if fitting else None
     auto = row["strategies"].get("autopar", {})
-    row["ratio"] = (auto["step_s"] / row["best_baseline_s"]
-                    if row["best_baseline_s"] and not auto.get("oom", True) else None)
+    auto_s = auto["step_s"] if "step_s" in auto and not auto["oom"] else None
+    row["ratio"] = auto_s / row["best_baseline_s"] if auto_s and row["best_baseline_s"] else None
+    alpa = row["strategies"].get("alpa", {})
+    row["alpa_s"] = alpa["step_s"] if "step_s" in alpa and not alpa["oom"] else None
+    row["ratio_alpa"] = auto_s / row["alpa_s"] if auto_s and row["alpa_s"] else None
     return row
 
 
@@ -238,23 +304,73 @@ def _fmt_cell(entry: dict) -> str:
     return f"{entry['step_s']:.2f} s · {entry['tflops_per_device']:.1f}"
 
 
-def markdown(suite: str, cluster: ClusterSpec, rows: list[dict], wall_s: float) -> str:
+def _ratio(value: float | None) -> str:
+    return f"{value:.3f}" if value is not None else "—"
+
+
+def _slower_notes(row: dict) -> list[str]:
+    """One bullet per row autopar's plan does not beat (best baseline, Alpa's plan): both
+    figures and both layouts."""
+    st = row["strategies"]
+    auto = st.get("autopar", {})
+    out = []
+    best = min((s for s in BASELINES if "step_s" in st.get(s, {}) and not st[s]["oom"]),
+               key=lambda s: st[s]["step_s"], default=None)
+    for ratio, other in ((row.get("ratio"), best), (row.get("ratio_alpa"), "alpa")):
+        if ratio is None or ratio <= 1.0 or other is None:
+            continue
+        out.append(f"- {row['devices']} x {row['model']}: autopar {auto['step_s']:.3f} s "
+                   f"({_layout_cell('autopar', auto)}) against {LABELS[other]} "
+                   f"{st[other]['step_s']:.3f} s ({_layout_cell(other, st[other])}): "
+                   f"{100 * (ratio - 1):.2f}% slower.")
+    return out
+
+
+def _layout_cell(name: str, e: dict) -> str:
+    """A row's layout: stages (layers:logical mesh) or dp x tp x pp, micro-batches, whether
+    the optimizer state is split, memory per device."""
+    if "step_s" not in e:
+        return "—"
+    split = " state split" if e.get("zero_state") and name in ("3d", "alpa") else ""
+    if name.startswith("autopar") or name == "alpa":
+        shape = "; ".join(f"{x['layers'][0]}-{x['layers'][1]}:{list(x['mesh'])}"
+                          for x in e["stages"])
+    else:
+        shape = f"{e['dp']}x{e['tp']}x{e['pp']}"
+    return f"{shape} B={e['micro']}{split} {e['memory_bytes'] / 2**30:.1f} GiB"
+
+
+def markdown(suite: str, cluster: ClusterSpec, rows: list[dict], wall_s: float,
+             result: dict | None = None) -> str:
+    """The results page; `result` (the JSON) adds its stamp and workload."""
     mem = cluster.memory_bytes / 2**30
-    lines = [f"# Suite `{suite}` on `{cluster.name}`", "",
+    result = result or {}
+    head = [f"# Suite `{suite}` on `{cluster.name}`", ""]
+    if "meta" in result:
+        head += [stamp_markdown(result["meta"]), ""]
+    if result.get("workload_source"):
+        fields = ", ".join(f"{k}={v}" for k, v in result.get("overrides", {}).items())
+        head += [f"Workload as Alpa's benchmark trains it ({result['workload_source']}): "
+                 f"the zoo's models with {fields or 'their defaults'}, for every row.", ""]
+    lines = head + [
              f"Predicted iteration time and model TFLOP/s per device (FLOPs: "
              f"`autopar.models.flops_per_step` — Narayanan et al. SC'21 eq. 3 for GPT, the same "
              f"counting for MoE and Wide-ResNet); OOM: over the {mem:.0f} GiB of a device. "
              f"—: autopar's search found no plan that fits memory (the JSON's `failed_tries` "
-             f"says why), or no hand-written plan fits (ratio). "
+             f"says why), no hand-written plan fits, or Alpa published no plan for the case. "
+             f"Every row's time and memory come from one layout; the hand-written rows and "
+             f"Alpa's plan are priced by the suite's step model, autopar's rows are their "
+             f"plans' own predictions (`benchmarks/suite.py`'s docstring: the fairness rules). "
+             f"Alpa's plans were found for 8 x V100-16GB hosts (`benchmarks/alpa_plans.py`). "
              f"Step model and strategies: `benchmarks/layouts.py`, `benchmarks/suite.py`. "
-             f"One run on this 2-core machine, {wall_s / 60:.1f} min in all.", "",
+             f"One run on a 2-core machine, {wall_s / 60:.1f} min in all.", "",
              "| devices | model | " + " | ".join(LABELS[s] for s in STRATEGIES)
-             + " | autopar / best baseline |",
-             "|---" * (len(STRATEGIES) + 3) + "|"]
+             + " | autopar / best baseline | autopar / Alpa's plan |",
+             "|---" * (len(STRATEGIES) + 4) + "|"]
     for r in rows:
         cells = [_fmt_cell(r["strategies"].get(s, {})) for s in STRATEGIES]
-        ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "—"
-        lines.append(f"| {r['devices']} | {r['model']} | " + " | ".join(cells) + f" | {ratio} |")
+        lines.append(f"| {r['devices']} | {r['model']} | " + " | ".join(cells)
+                     + f" | {_ratio(r['ratio'])} | {_ratio(r.get('ratio_alpa'))} |")
     for r in rows:
         floor = r.get("state_bytes_per_device_min", 0.0)
         if floor > cluster.memory_bytes:
@@ -263,30 +379,25 @@ def markdown(suite: str, cluster: ClusterSpec, rows: list[dict], wall_s: float) 
                       f"{floor * r['devices'] / 2**30:,.0f} GiB, at least "
                       f"{floor / 2**30:.1f} GiB per device even split over all "
                       f"{r['devices']}, over the {mem:.0f} GiB of one."]
+    slower = [note for r in rows for note in _slower_notes(r)]
+    if slower:
+        lines += ["", "Cases where autopar's plan is predicted slower than a row it must beat "
+                  "(autopar's row is its planner's own prediction, which prices each "
+                  "parameter's update at every layer that reads it and the re-layouts between "
+                  "a stage's layers; the step model of the other rows prices neither, so on "
+                  "the same layout autopar's figure is the larger):", ""] + slower
     lines += ["", "Chosen layouts (dp x tp x pp, micro-batches) and memory per device:", "",
               "| devices | model | " + " | ".join(LABELS[s] for s in STRATEGIES) + " |",
               "|---" * (len(STRATEGIES) + 2) + "|"]
     for r in rows:
-        cells = []
-        for s in STRATEGIES:
-            e = r["strategies"].get(s, {})
-            if "step_s" not in e:
-                cells.append("—")
-            elif s.startswith("autopar"):
-                st = "; ".join(f"{x['layers'][0]}-{x['layers'][1]}:{x['mesh']}"
-                               for x in e["stages"])
-                cells.append(f"{st} B={e['micro']} {e['memory_bytes'] / 2**30:.1f} GiB")
-            else:
-                cells.append(f"{e['dp']}x{e['tp']}x{e['pp']} B={e['micro']} "
-                             f"{e['memory_bytes'] / 2**30:.1f} GiB")
+        cells = [_layout_cell(s, r["strategies"].get(s, {})) for s in STRATEGIES]
         lines.append(f"| {r['devices']} | {r['model']} | " + " | ".join(cells) + " |")
     lines += ["", "Search / pricing time (s; autopar: its own search by phase):", "",
               "| devices | model | hand-written pricing | autopar intra-op search | "
               "autopar search | autopar phases |", "|---|---|---|---|---|---|"]
     for r in rows:
         st = r["strategies"]
-        hand = sum(st[s]["pricing_s"] for s in ("dp", "zero2", "zero3", "megatron", "3d")
-                   if s in st)
+        hand = sum(st[s]["pricing_s"] for s in BASELINES if s in st)
         a = st.get("autopar", {})
         named = {k.removeprefix("trace + "): v for k, v in a.get("phases_s", {}).items()}
         if "search_s" in a:  # tracing the step, splitting F, and retries with more µb
@@ -355,19 +466,24 @@ def chart(suite: str, cluster: ClusterSpec, rows: list[dict], path: pathlib.Path
 
 
 def run(suite: str, cluster_name: str | ClusterSpec, *, out_dir: pathlib.Path = RESULTS,
-        max_devices: int | None = None, progress: Callable[[str], None] | None = None) -> dict:
-    """Runs a suite on a preset and writes <suite>-<cluster>.md/.json/.png."""
+        max_devices: int | None = None, progress: Callable[[str], None] | None = None,
+        command: str | None = None) -> dict:
+    """Runs a suite on a preset and writes <suite>-<cluster>.md/.json/.png, stamped with
+    the commit, date, machine and `command` (default: this process's command line)."""
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; known: {sorted(SUITES)} (and 'toy')")
     cluster = ClusterSpec.preset(cluster_name) if isinstance(cluster_name, str) else cluster_name
-    batch, cases = SUITES[suite]
+    spec = SUITES[suite]
+    batch = spec.global_batch
+    meta = stamp(command)
     t0 = time.perf_counter()
     rows = []
-    for devices, model in cases:
+    for devices, model in spec.cases:
         if devices > cluster.num_devices or (max_devices and devices > max_devices):
             continue
         t_case = time.perf_counter()
-        row = run_case(devices, model, batch, cluster, progress=progress)
+        row = run_case(devices, model, batch, cluster, progress=progress, suite=suite,
+                       overrides=spec.overrides)
         row["case_s"] = round(time.perf_counter() - t_case, 1)
         rows.append(row)
         print(f"[{time.perf_counter() - t0:7.1f}s] {devices} x {model}: ratio "
@@ -375,9 +491,10 @@ def run(suite: str, cluster_name: str | ClusterSpec, *, out_dir: pathlib.Path = 
     wall = time.perf_counter() - t0
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"{suite}-{cluster.name}"
-    text = markdown(suite, cluster, rows, wall)
-    result = {"suite": suite, "cluster": cluster.to_json(), "global_batch": batch,
-              "wall_s": round(wall, 1), "rows": rows}
+    result = {"meta": meta, "suite": suite, "cluster": cluster.to_json(),
+              "global_batch": batch, "overrides": dict(spec.overrides),
+              "workload_source": spec.source, "wall_s": round(wall, 1), "rows": rows}
+    text = markdown(suite, cluster, rows, wall, result)
     write_json_atomic(stem.with_suffix(".json"), result)
     tmp = stem.with_suffix(".md.tmp")
     tmp.write_text(text)

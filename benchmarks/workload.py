@@ -1,7 +1,8 @@
 """A zoo model traced for layer-by-layer pricing: the forward program F at one micro-batch
 size, cut into layers, with what each layer reads (parameters, batch, activations).
 
-`Workload.build(model, global_batch, num_micro_batches)` traces the train step once at
+`Workload.build(model, global_batch, num_micro_batches, overrides)` traces the train step
+(the zoo model with `overrides` of its config, e.g. the suite's optimizer) once at
 micro-batch size with `jax.ShapeDtypeStruct`s (no memory for weights), splits it around its
 `autopar.value_and_grad` call (`autopar.pipeline.split`), and layers F the way the pipeline
 planner does (`passes.layering.run(F, "auto")`, cuts aligned with repeated blocks), so a
@@ -31,7 +32,8 @@ class Workload:
 
     Attributes:
       model / global_batch / num_micro_batches: what was traced (micro-batch size =
-        global_batch // num_micro_batches).
+        global_batch // num_micro_batches); overrides: the config fields replaced
+        ((field, value) pairs, `autopar.models.config`).
       split / graph / diff: the split step, F flattened, and F's values carrying gradients.
       layers: F's layers (`StageProgram`s) in order; `layer_keys[i]` identifies layer i's
         program text (equal keys = identical layers, priced once).
@@ -44,6 +46,7 @@ class Workload:
     model: str
     global_batch: int
     num_micro_batches: int
+    overrides: Overrides
     split: pipeline.SplitStep
     graph: Graph
     diff: frozenset[int]
@@ -59,8 +62,9 @@ class Workload:
         return self.global_batch // self.num_micro_batches
 
     @staticmethod
-    def build(model: str, global_batch: int, num_micro_batches: int) -> Workload:
-        return _build(model, global_batch, num_micro_batches)
+    def build(model: str, global_batch: int, num_micro_batches: int,
+              overrides: Overrides = ()) -> Workload:
+        return _build(model, global_batch, num_micro_batches, tuple(overrides))
 
     def value_bytes(self, vid: int) -> int:
         v = self.graph.values[vid]
@@ -71,12 +75,18 @@ class Workload:
         return [v for v in self.layers[layer].inputs if v in self.param_ids]
 
 
+# A zoo config's replaced fields as hashable (field, value) pairs.
+Overrides = tuple[tuple[str, object], ...]
+
+
 @functools.lru_cache(maxsize=32)
-def _build(model: str, global_batch: int, num_micro_batches: int) -> Workload:
+def _build(model: str, global_batch: int, num_micro_batches: int,
+           overrides: Overrides) -> Workload:
     if global_batch % num_micro_batches:
         raise ValueError(f"{model}: global batch {global_batch} is not divisible into "
                          f"{num_micro_batches} micro-batches")
-    step, (state, batch) = zoo.train_step_and_args(model, global_batch)
+    step, (state, batch) = zoo.train_step_and_args(model, global_batch,
+                                                   overrides=dict(overrides))
     micro = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct((a.shape[0] // num_micro_batches,) + a.shape[1:],
                                        a.dtype), batch)
@@ -110,6 +120,6 @@ def _build(model: str, global_batch: int, num_micro_batches: int) -> Workload:
     opt_bytes = sum(math.prod(x.shape) * x.dtype.itemsize
                     for x in jax.tree_util.tree_leaves(state["opt_state"]))
     diff = frozenset(diff_values(split, graph))
-    return Workload(model, global_batch, num_micro_batches, split, graph, diff, layers,
+    return Workload(model, global_batch, num_micro_batches, overrides, split, graph, diff, layers,
                     tuple(_program_key(graph, p, diff) for p in layers), names,
                     frozenset(batch_ids), params, opt_bytes / param_bytes)

@@ -12,7 +12,8 @@
 Every block is rematerialized in the backward (`nn.remat`; `remat=False` turns it off), as
 in the Alpa paper's benchmarks and Megatron-LM's large runs.  Every family has a `toy` size
 for real runs on CPU.  `train_step_and_args(name, batch)`
-returns a plain train step (AdamW, gradients via autopar.value_and_grad) and abstract
+returns a plain train step (the config's `optimizer`, AdamW by default — `optimizers`;
+gradients via autopar.value_and_grad) and abstract
 arguments (`jax.ShapeDtypeStruct`s), so planning needs no memory for the weights.
 `flops_per_step(name, batch)` is the model FLOP count used for TFLOP/s (see each formula).
 `GPT_TINY` is the demo's and the tests' GPT (not a named benchmark size).
@@ -20,6 +21,7 @@ arguments (`jax.ShapeDtypeStruct`s), so planning needs no memory for the weights
 
 from .gpt import GPT, GPT_CONFIGS, GPT_TINY, GPTConfig, gpt_flops_per_step
 from .moe import MOE_CONFIGS, MoE, MoEConfig, MoEFFN, moe_flops_per_step
+from .optimizers import OPTIMIZERS, optimizer
 from .registry import (
     CONFIGS,
     ModelConfig,
@@ -45,6 +47,7 @@ __all__ = [
     "MoE",
     "MoEConfig",
     "MoEFFN",
+    "OPTIMIZERS",
     "ModelConfig",
     "TrainStep",
     "WRNConfig",
@@ -60,6 +63,7 @@ __all__ = [
     "make_train_step",
     "moe_flops_per_step",
     "names",
+    "optimizer",
     "param_count",
     "train_step_and_args",
     "wrn_flops_per_step",

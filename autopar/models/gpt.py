@@ -16,7 +16,8 @@ class GPTConfig:
     in the backward; `tied` reads the logits from the token embedding (else an untied
     bias-free `nn.Dense` head); `param_dtype` the parameters are stored in (below float32
     the zoo's train step keeps a float32 master copy in the optimizer state: mixed
-    precision as Alpa's GPT benchmark trains, `TrainState(use_master_copy=True)`)."""
+    precision as Alpa's GPT benchmark trains, `TrainState(use_master_copy=True)`);
+    `optimizer` the train step's optimizer by name (`autopar.models.optimizers`)."""
 
     hidden: int
     layers: int
@@ -27,6 +28,7 @@ class GPTConfig:
     remat: bool = True
     tied: bool = True
     param_dtype: str = "float32"
+    optimizer: str = "adamw"
 
 
 GPT_CONFIGS: dict[str, GPTConfig] = {

@@ -19,7 +19,8 @@ from autopar.models.gpt import GPT
 class MoEConfig:
     """An MoE decoder's shape: `hidden` width, `layers` blocks (odd ones MoE), `experts` per
     MoE FFN, `heads`, `vocab`, `seq`; tokens are routed in groups of `group`; the FFNs are
-    `ffn` x hidden wide; `dtype`, `remat`, `tied` and `param_dtype` as in `GPTConfig`."""
+    `ffn` x hidden wide; `dtype`, `remat`, `tied`, `param_dtype` and `optimizer` as in
+    `GPTConfig`."""
 
     hidden: int
     layers: int
@@ -33,6 +34,7 @@ class MoEConfig:
     remat: bool = True
     tied: bool = True
     param_dtype: str = "float32"
+    optimizer: str = "adamw"
 
 
 MOE_CONFIGS: dict[str, MoEConfig] = {

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from autopar.models.gpt import GPT_CONFIGS, GPTConfig, gpt_flops_per_step
 from autopar.models.moe import MOE_CONFIGS, MoEConfig, moe_flops_per_step
+from autopar.models.optimizers import OPTIMIZERS
 from autopar.models.steps import make_train_step
 from autopar.models.wrn import WRN_CONFIGS, WRNConfig, wrn_flops_per_step
 
@@ -55,6 +56,9 @@ def config(name: str, overrides: Overrides = None) -> ModelConfig:
         except TypeError:
             raise ValueError(f"model {name!r}: {key}={getattr(out, key)!r} is not a dtype "
                              f"name (float32, float16, bfloat16)") from None
+    if out.optimizer not in OPTIMIZERS:
+        raise ValueError(f"model {name!r}: optimizer={out.optimizer!r} is not one of "
+                         f"{', '.join(OPTIMIZERS)}")
     return out
 
 

@@ -1,6 +1,6 @@
 """The zoo models' train steps: pure `step(state, batch) -> (new_state, {"loss": ...})`
 with gradients via `autopar.value_and_grad` (a reference may swap it) and an optax
-optimizer (AdamW, lr 1e-4, unless given)."""
+optimizer (the config's `optimizer`, AdamW at lr 1e-4 by default, unless one is given)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import optax
 import autopar
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.moe import MoE, MoEConfig
+from autopar.models.optimizers import optimizer
 from autopar.models.wrn import WideResNet, WRNConfig
 
 TrainStep = tuple[Callable, nn.Module, optax.GradientTransformation]
@@ -58,11 +59,11 @@ def gpt_train_step(cfg: GPTConfig | MoEConfig, value_and_grad: Callable | None =
     """(train_step, model, tx) of a token model (GPT or MoE): next-token cross-entropy.
     State {"params", "opt_state"}; batch {"tokens", "labels"} int32 [batch, seq].
     `value_and_grad` defaults to `autopar.value_and_grad` (a reference may swap it), `tx`
-    to AdamW (lr 1e-4); parameters below float32 (`GPTConfig.param_dtype`) train through
-    `master_copy(tx)`."""
+    to the config's `optimizer` (`autopar.models.optimizers`); parameters below float32
+    (`GPTConfig.param_dtype`) train through `master_copy(tx)`."""
     grad_fn = value_and_grad or autopar.value_and_grad
     model = GPT(cfg) if isinstance(cfg, GPTConfig) else MoE(cfg)
-    tx = tx if tx is not None else optax.adamw(1e-4)
+    tx = tx if tx is not None else optimizer(cfg.optimizer)
     if jnp.dtype(cfg.param_dtype).itemsize < 4:
         tx = master_copy(tx)
 
@@ -87,7 +88,7 @@ def wrn_train_step(cfg: WRNConfig, value_and_grad: Callable | None = None,
     `gpt_train_step`."""
     grad_fn = value_and_grad or autopar.value_and_grad
     model = WideResNet(cfg)
-    tx = tx if tx is not None else optax.adamw(1e-4)
+    tx = tx if tx is not None else optimizer(cfg.optimizer)
 
     def loss_fn(params, batch_stats, batch):
         logits, mutated = model.apply({"params": params, "batch_stats": batch_stats},

@@ -15,7 +15,7 @@ import flax.linen as nn
 class WRNConfig:
     """A Wide-ResNet's shape: `channels` of the stem (stage i's bottleneck is
     channels·2^i wide), `width` factor of the 3x3 convolutions, `stages` blocks per stage,
-    square `image` side in pixels, `classes`; `dtype`; `remat` as in `GPTConfig`."""
+    square `image` side in pixels, `classes`; `dtype`; `remat` and `optimizer` as in `GPTConfig`."""
 
     channels: int
     width: int
@@ -24,6 +24,7 @@ class WRNConfig:
     classes: int = 1024
     dtype: str = "float32"
     remat: bool = True
+    optimizer: str = "adamw"
 
 
 WRN_CONFIGS: dict[str, WRNConfig] = {
