@@ -48,6 +48,7 @@ from autopar.cost_model import ClusterSpec, Link, compile_log, hlo_audit  # noqa
 from autopar.passes import intra_op, strategies  # noqa: E402
 from autopar.passes.sharding_spec import MeshContext  # noqa: E402
 from benchmarks.baselines import MegatronTP, input_names  # noqa: E402
+from benchmarks.stamp import stamp, stamp_markdown  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -476,50 +477,82 @@ def plot(audit_rows, measured_rows, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-# Written from the full run's figures (benchmarks/results/cost_model_accuracy.json).
-ANALYSIS = """
-## Why prediction and audit disagree (run of 2026-11-24, memory model of passes/memory.py)
+def _range(values) -> str:
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return "–"
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}"
 
-Re-pricing a plan's own layout on its own cluster (`passes/intra_op.price_specs`)
-reproduces the search's objective (last summary line), so the figures compare the plan that
-was emitted.  Volumes are per-device α-β byte terms on both sides.
 
-1. **Memory: 16/16 within ±10% (0.99–1.07; 7/16 in the previous run).**  Two changes:
-   * *Elementwise ops with an implicitly broadcast operand* (`sub` of (B, S, H) and
-     (B, S, 1) in LayerNorm and softmax: lax broadcasts size-1 dims itself).  The follow
-     rule asked for the small operand replicated; the emitter passed that on and XLA
-     all-gathered it.  Now it is split like the large one: GPT dp compiles to one
-     all-reduce (8 all-gathers before) and 6.87 MiB per device (10.55 before);
-   * *XLA:CPU's own memory rules* (`memory.analyze(cpu=True)`, for clusters whose
-     device kind is cpu): its reduction fusions take one elementwise producer and read
-     that producer's operands as buffers, and XLA keeps one broadcast per (operand,
-     shape) for the step.  LayerNorm's broadcast scale and inverse deviation are then
-     buffers live from the forward to the backward (Megatron-TP GPT: ten of 256 KiB,
-     0.67 → 0.99), and a reduce-scatter is an all-reduce plus a slice (ZeRO-3: 0.85 →
-     1.01 MLP, 0.84 → 0.99 GPT).  The plans here are searched for 8xA100-80GB under GPU
-     rules ("GPU rules" column) and compiled by XLA:CPU, so the compared prediction is
-     the same layout under the CPU rules.
-   What is left: GPT dp / auto at 1.07 (temp predicted 4.05 vs 3.56 MiB compiled: XLA
-   frees some backward buffers earlier than equation order).
-2. **Communication bytes 14/16 within ±15%.**  Off: ZeRO-3 only (0.69 MLP, 0.71 GPT: on
-   CPU XLA lowers each reduce-scatter to all-reduce + dynamic-slice, JAX-NOTES, doubling
-   its bytes).
-3. **Step time on 8xA100-80GB: 14/16 within ±25%; ranking by predicted vs audited time:
-   Spearman 0.98 on both models (MLP 0.75 in the previous run); the best plan (dp) is
-   predicted right for both.**  The MLP's 2×4 plans were over-priced (1.25–1.30) by the
-   same replicated-operand rule: an all-gather over both axes that XLA never ran.  The
-   remaining misordered pair is tp 8×1 / tp 2×4 (audited equal).  Predictions are now
-   0.68–0.98 of the audit: the audit prices every collective with its full α, the model
-   pro-rates α over a 30 MiB combined bucket.
-4. **XLA's involuntary full rematerializations: 0 on all 16 plans** (counted from the
-   compile's log, `autopar.cost_model.compile_log`): reshards that move a split between
-   dims with several mesh axes are emitted through the gathered layout (`gather_first`)
-   and priced as all-gathers.
-5. **cpu-local: predictions are 0.36–0.78 of the measured medians.**  GPT ranking:
-   Spearman 0.88, the best plan predicted right; MLP: 0.42, its plans measured
-   10.8–28.3 ms, seven of them within 10.8–12.4 ms, closer together than the machine's
-   run-to-run spread, and dp is last on both sides.
-"""
+def _outside(rows, key: str, tol: float) -> list[str]:
+    return [f"{r['model']} {r['plan']} {_fmt_ratio(r[key])}" for r in rows
+            if not abs(r[key] - 1.0) <= tol]
+
+
+def _misordered(rank: dict) -> list[str]:
+    """The pairs the prediction orders one way and the actual figures the other."""
+    pred, actual = rank["predicted_order"], rank["actual_order"]
+    pos = {plan: i for i, plan in enumerate(actual)}
+    return [f"{a} / {b}" for i, a in enumerate(pred) for b in pred[i + 1:] if pos[a] > pos[b]]
+
+
+def analysis(audit_rows, measured_rows, summary) -> list[str]:
+    """What the tables say, computed from this run's rows (no figure written by hand)."""
+    s = summary
+    mem, nbytes, time_ = (s["memory_within_10pct"], s["bytes_within_15pct"],
+                          s["time_within_25pct"])
+    lines = ["## What the figures say", "",
+             "Re-pricing a plan's own layout on its own cluster (`passes/intra_op.price_specs`) "
+             f"reproduces the search's objective within {s['replay_max_rel_diff']:.1%}, so the "
+             "figures compare the plan that was emitted.  Volumes are per-device α-β byte "
+             "terms on both sides.", ""]
+    off = _outside(audit_rows, "memory_ratio", 0.10)
+    lines.append(
+        f"1. **Memory: {mem['within']}/{mem['cases']} within ±10% "
+        f"({_range(r['memory_ratio'] for r in audit_rows)}).**  "
+        + (f"Outside: {', '.join(off)}.  " if off else "")
+        + "The compared prediction is the plan's layout under XLA:CPU's memory rules "
+        "(`memory.analyze(cpu=True)`: reduction fusions read their elementwise producer's "
+        "operands as buffers, one broadcast per operand and shape, a reduce-scatter runs as "
+        "an all-reduce plus a slice); the plans were searched under the GPU rules "
+        "(\"GPU rules\" column) and compiled by XLA:CPU.")
+    off = _outside(audit_rows, "bytes_ratio", 0.15)
+    zero3_only = bool(off) and all(" zero3 " in f" {o} " for o in off)
+    lines.append(
+        f"2. **Communication bytes: {nbytes['within']}/{nbytes['cases']} within ±15%.**  "
+        + (f"Outside: {', '.join(off)}" if off else "None outside")
+        + (" (ZeRO-3: on CPU XLA lowers each reduce-scatter to an all-reduce + "
+           "dynamic-slice, doubling its bytes; JAX-NOTES)." if zero3_only else "."))
+    ranks = []
+    for r in s["ranking_predicted_vs_audited"]:
+        wrong = _misordered(r)
+        ranks.append(f"{r['model']}: Spearman {r['spearman']:.2f}, "
+                     f"{r['concordant_pairs']}/{r['pairs']} pairs concordant, best plan "
+                     f"({r['actual_order'][0]}) {'predicted' if r['same_best'] else 'missed'}"
+                     + (f", misordered: {'; '.join(wrong)}" if wrong else ""))
+    lines.append(
+        f"3. **Step time on {PLAN_CLUSTER}: {time_['within']}/{time_['cases']} within ±25% "
+        f"of the audit (predicted / audited {_range(r['time_ratio'] for r in audit_rows)}).**"
+        f"  Ranking by predicted against audited time: {'; '.join(ranks)}.  The audit prices "
+        "every collective with its full α; the model pro-rates α over a combined bucket.")
+    lines.append(
+        f"4. **XLA's involuntary full rematerializations: {s['involuntary_rematerializations']}"
+        f" on {len(audit_rows)} plans** (counted from the compile's log, "
+        "`autopar.cost_model.compile_log`).")
+    if measured_rows:
+        ranks = []
+        for r in s["ranking_predicted_vs_measured"]:
+            times = [m["measured_s"] * 1e3 for m in measured_rows if m["model"] == r["model"]]
+            ranks.append(f"{r['model']}: Spearman {r['spearman']:.2f}, best plan "
+                         f"({r['actual_order'][0]}) "
+                         f"{'predicted' if r['same_best'] else 'missed'}, measured "
+                         f"{min(times):.1f}–{max(times):.1f} ms")
+        lines.append(
+            "5. **cpu-local: predictions are "
+            f"{_range(r['time_ratio'] for r in measured_rows)} of the measured medians.**  "
+            f"{'; '.join(ranks)}.")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -551,17 +584,18 @@ def main(argv: list[str] | None = None) -> int:
                          "gpt": "gpt_case(batch=8, seq=16, hidden=64, heads=8, vocab=128)"
                          if args.quick else
                          "gpt_case(batch=16, seq=32, hidden=128, heads=8, vocab=256)"}}
+    meta = stamp()
     stem.with_suffix(".json").write_text(json.dumps(
-        {"config": config, "audit": audit_rows, "measured": measured_rows,
+        {"meta": meta, "config": config, "audit": audit_rows, "measured": measured_rows,
          "summary": summary}, indent=1, default=float))
-    header = ["# Cost-model accuracy", "",
+    header = ["# Cost-model accuracy", "", stamp_markdown(meta), "",
               f"`python -m benchmarks.cost_model_accuracy{' --quick' if args.quick else ''}` "
               f"({config['seconds']:.0f} s, jax {jax.__version__}, 8 emulated CPU devices). "
               f"Models: MLP `{config['models']['mlp']}`, GPT `{config['models']['gpt']}`, "
               "SGD with momentum. Plans: dp / zero3 (1-D mesh of 8), tp = "
               "benchmarks/baselines.MegatronTP, auto = ShardParallel(mesh_shape=...). "
               "Ratios are predicted / audited (or measured).", ""]
-    body = header + lines + ["", ANALYSIS.strip()]
+    body = header + lines + [""] + analysis(audit_rows, measured_rows, summary)
     stem.with_suffix(".md").write_text("\n".join(body) + "\n")
     plot(audit_rows, measured_rows, stem.with_suffix(".png"))
     print(f"wrote {stem}.{{md,json,png}} in {time.perf_counter() - t0:.0f} s")

@@ -43,6 +43,7 @@ from autopar.cost_model import ClusterSpec, hlo_audit
 from autopar.cost_model.jsonio import write_json_atomic
 from autopar.cost_model.profiler import _median_time, profile
 from autopar.models import registry
+from benchmarks.stamp import stamp, stamp_markdown
 from benchmarks.toy import _copy
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -182,6 +183,8 @@ def markdown(report: dict[str, Any]) -> str:
              f"`python -m benchmarks.gpu_check` on {env['device_kind']} "
              f"({env['platform']}), jax {env['jax']}, {env['date']}; "
              f"preset compared: `{env['preset']}` (cost_model/devices.py). ", ""]
+    if "meta" in report:   # runs before stamps have none
+        lines[1:1] = ["", stamp_markdown(report["meta"])]
     prof = report.get("profile")
     if prof:
         lines += ["## Profile against the preset", "",
@@ -261,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"environment": {
         "device_kind": device.device_kind, "platform": device.platform, "jax": jax.__version__,
         "python": platform.python_version(), "preset": preset.name,
-        "date": time.strftime("%Y-%m-%d", time.gmtime())}, "models": []}
+        "date": time.strftime("%Y-%m-%d", time.gmtime())}, "meta": stamp(), "models": []}
     measured = preset
     if not args.no_profile:
         t0 = time.perf_counter()

@@ -22,6 +22,7 @@ import jax  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar import models as zoo  # noqa: E402
+from benchmarks.stamp import stamp, stamp_markdown  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [_case("gpt-toy", "cpu-local", 64, 4)]
     if not args.skip_large:
         rows.append(_case("gpt-1.3b", "2x8xA100-80GB", 1024, 64))
-    lines = ["# Pipeline plan search time", "",
+    meta = stamp()
+    lines = ["# Pipeline plan search time", "", stamp_markdown(meta), "",
              "One run on this 2-core machine; search = layering + per-layer intra-op ILPs + "
              "stage DP + per-stage ILPs (abstract shapes, no devices of the target cluster).", "",
              "| model | cluster | batch | micro-batches | layers | layer ILPs | search (s) | "
@@ -68,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "pipeline_search.md").write_text(text)
-    (RESULTS / "pipeline_search.json").write_text(json.dumps(rows, indent=1))
+    (RESULTS / "pipeline_search.json").write_text(
+        json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 0
 
 

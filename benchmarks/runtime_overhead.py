@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import sys
 import time
 from collections.abc import Callable
+
+from benchmarks.stamp import stamp, stamp_markdown
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -166,8 +169,10 @@ def single_device_rows(steps: int) -> list[dict]:
     return rows
 
 
-def markdown(pipe: list[dict], single: list[dict], steps: int) -> str:
+def markdown(pipe: list[dict], single: list[dict], steps: int, meta: dict,
+             load: tuple[float, float] | None = None) -> str:
     lines = ["# Runtime overhead (8 emulated CPU devices, one process)", "",
+             stamp_markdown(meta), "",
              f"`python -m benchmarks.runtime_overhead`: median of {steps} steps after two "
              "warm-up steps, the rows of a model measured in turns (one step of each, "
              f"{steps} times).  The emulated "
@@ -181,6 +186,10 @@ def markdown(pipe: list[dict], single: list[dict], steps: int) -> str:
     lines += ["", "| 1 device | jax.jit µs | ShardParallel µs | ratio |", "|---|---|---|---|"]
     lines += [f"| {r['case']} | {r['jit_us']:.1f} | {r['shard_us']:.1f} | {r['ratio']:.3f} |"
               for r in single]
+    if load is not None:
+        lines += ["", f"Load average (1 min) at the start and the end: {load[0]:.1f}, "
+                  f"{load[1]:.1f} (other jobs on the same cores slow some rows more than "
+                  "others: compare runs under similar load)."]
     return "\n".join(lines) + "\n"
 
 
@@ -193,14 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     from autopar import demo
 
     demo.use_cpu_devices()
+    load_start = os.getloadavg()[0]
     pipe = pipeline_rows(args.steps, args.quick)
     single = single_device_rows(args.steps)
+    load = (load_start, os.getloadavg()[0])
     out = pathlib.Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    text = markdown(pipe, single, args.steps)
+    meta = stamp()
+    text = markdown(pipe, single, args.steps, meta, load)
     (out / "runtime_overhead.md").write_text(text)
     (out / "runtime_overhead.json").write_text(json.dumps(
-        {"steps": args.steps, "pipeline": pipe, "single_device": single}, indent=1) + "\n")
+        {"meta": meta, "steps": args.steps, "load_average": load, "pipeline": pipe,
+         "single_device": single},
+        indent=1) + "\n")
     print(text)
     return 0
 

@@ -27,7 +27,8 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-import time
+
+from benchmarks.stamp import stamp, stamp_markdown
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -168,17 +169,17 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
     out = pathlib.Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"before": args.before, "budget": args.budget, "cpus": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%d %H:%M")}
-    (out / "search_time.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    meta = {**stamp(), "before": args.before, "budget": args.budget, "cpus": os.cpu_count()}
+    (out / "search_time.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1)
+                                         + "\n")
     (out / "search_time.md").write_text(_markdown(rows, meta))
     print(_markdown(rows, meta))
     return 0
 
 
 def _markdown(rows: list[dict], meta: dict) -> str:
-    lines = ["# Plan search time", "",
-             f"{meta['date']}, {meta['cpus']} cores shared with other jobs (load average in "
+    lines = ["# Plan search time", "", stamp_markdown(meta), "",
+             f"{meta['cpus']} cores shared with other jobs (load average in "
              f"the table); every case in a fresh process; wall = trace + search (or cache "
              f"lookup); CPU = the process and its solver workers."
              + (f" 'before' = git revision {meta['before']} in the same run."

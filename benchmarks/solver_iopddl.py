@@ -20,6 +20,7 @@ import time
 
 from autopar.passes.solver import BACKENDS, evaluate, load_iopddl, solve
 from autopar.passes.solver.backend import backend_available
+from benchmarks.stamp import stamp, stamp_markdown
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIME_LIMITS_S = {"G": 120.0, "A": 60.0, "M": 180.0, "S": 240.0}
@@ -78,9 +79,13 @@ def run_instance(path: pathlib.Path, name: str, limit: float, backend: str,
     }
 
 
-def markdown(rows: list[dict], args) -> str:
+def markdown(rows: list[dict], args, meta: dict) -> str:
     lines = [
         "# autopar solver on the IOPDDL contest instances",
+        "",
+        stamp_markdown(meta)
+        + (" Rows of instances not run this time are kept from an earlier run (--merge)."
+           if "merged_from" in meta else ""),
         "",
         f"`python -m benchmarks.solver_iopddl` — backend {args.backend}, time scale "
         f"{args.time_scale}, 2 cores (shared with other jobs: see the load note below). "
@@ -151,12 +156,17 @@ def main(argv: list[str] | None = None) -> None:
               f"seconds={row['seconds']} (limit {limit:.0f})", flush=True)
     out = REPO / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
+    meta = stamp()
     if args.merge and (out / "solver_iopddl.json").exists():
         new = {r["instance"]: r for r in rows}
         old = json.loads((out / "solver_iopddl.json").read_text())
-        rows = [new.pop(r["instance"], r) for r in old] + list(new.values())
-    (out / "solver_iopddl.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
-    text = markdown(rows, args)
+        old_rows = old["rows"] if isinstance(old, dict) else old   # a list before stamps
+        rows = [new.pop(r["instance"], r) for r in old_rows] + list(new.values())
+        # Rows kept from an earlier run carry that run's stamp; this run's is `meta`.
+        meta["merged_from"] = old.get("meta") if isinstance(old, dict) else None
+    (out / "solver_iopddl.json").write_text(
+        json.dumps({"meta": meta, "rows": rows}, indent=1, default=str) + "\n")
+    text = markdown(rows, args, meta)
     (out / "solver_iopddl.md").write_text(text)
     print(text)
 

@@ -48,6 +48,7 @@ from autopar.passes.solver.pool import Request, WorkerPool
 from autopar.passes.solver.reduce import reduce_problem
 from autopar.passes.solver.toulbar2 import PRICE_MAX_S, _price_weights
 from benchmarks.solver_iopddl import REPO, _fail, _load_average
+from benchmarks.stamp import stamp, stamp_markdown
 
 # name -> (LDS discrepancies, toulbar2 options beyond autopar's: tb2_worker.TUNABLE_OPTIONS)
 SETTINGS: dict[str, tuple[int, dict]] = {
@@ -176,7 +177,7 @@ def _rows(pen: Penalty, unaries: list, answers: list, name: str, limit: int, sta
     return rows
 
 
-def markdown(rows: list[dict], info: dict, instance: str) -> str:
+def markdown(rows: list[dict], info: dict, instance: str, meta: dict) -> str:
     cold = [r for r in rows if r["start"] == "cold"]
     warm = [r for r in rows if r["start"] == "warm"]
     best = {}
@@ -185,6 +186,8 @@ def markdown(rows: list[dict], info: dict, instance: str) -> str:
             best[r["level"]] = min(best.get(r["level"], np.inf), r["penalized_cost"])
     lines = [
         f"# toulbar2 settings on the first penalty round of IOPDDL {instance}",
+        "",
+        stamp_markdown(meta),
         "",
         "`python -m benchmarks.solver_tb2_settings` — the penalty loop's first-round "
         f"models ({info['reduced_nodes']:,} reduced nodes, {info['reduced_strategies']:,} "
@@ -249,8 +252,9 @@ def main(argv: list[str] | None = None) -> None:
     rows, info = run(path, args.levels)
     out = REPO / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    text = markdown(rows, info, args.instance)
-    payload = json.dumps({"instance": args.instance, "info": info, "rows": rows},
+    meta = stamp()
+    text = markdown(rows, info, args.instance, meta)
+    payload = json.dumps({"meta": meta, "instance": args.instance, "info": info, "rows": rows},
                          indent=1, default=str) + "\n"
     for suffix, body in (("json", payload), ("md", text)):
         tmp = out / f"solver_tb2_settings.{suffix}.tmp"
