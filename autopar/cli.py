@@ -427,12 +427,15 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="benchmark suites: autopar against hand-written strategies",
         description="Weak-scaling suites of the Alpa paper (gpt, moe, wrn) priced on a "
         "cluster preset for data parallel, ZeRO-2/3, Megatron TP+DP, the best manual 3-D "
-        "plan and autopar; writes benchmarks/results/<suite>-<cluster>.md/.json/.png. "
+        "plan, Alpa's published plan and autopar, on the workloads Alpa's benchmark trains; "
+        "writes benchmarks/results/<suite>-<cluster>.md/.json/.png. "
         "'toy' runs every strategy for real on 8 emulated CPU devices and checks the results "
-        "against the single-device step.")
+        "against the single-device step; 'all' regenerates every results file a CPU "
+        "machine can make.")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="SUITE [OPTIONS]",
                    help="passed to `python -m benchmarks` in the checkout: gpt|moe|wrn "
-                        "--cluster PRESET [--max-devices N] [--output-dir DIR], or toy")
+                        "--cluster PRESET [--max-devices N] [--output-dir DIR], toy, or all "
+                        "[--only NAME,...] [--list] [--dry-run]")
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("demo", help="plan and train a tiny GPT on 8 emulated CPU devices",
