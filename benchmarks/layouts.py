@@ -243,13 +243,6 @@ class Pricer:
             costs.append(self._stage(w, stage_layout, layers, tuple(mesh_shape),
                                      in_flight=len(stages) - s,
                                      held=held[s] if held is not None else None))
-        return self._step(w, layout, stages, costs)
-
-    def _step(self, w: Workload, layout: Layout,
-              stages: Sequence[tuple[tuple[int, int], tuple[int, ...]]],
-              costs: list[StageCost]) -> Evaluation:
-        """The step model over priced stages: transfers added, then Σ t + (B − 1)·max t +
-        max u + per-step moves; memory the largest stage's."""
         moves, per_step = self._transfers(w, stages)
         costs = [dataclasses.replace(c, per_micro_s=c.per_micro_s + t)
                  for c, t in zip(costs, moves)]

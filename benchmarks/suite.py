@@ -107,21 +107,20 @@ def baseline_layouts(devices: int, devices_per_host: int, num_layers: int,
     dp > 1, split over dp as ZeRO-2 splits it)."""
     n = devices
     tp = min(n, devices_per_host)
-    _micro = micro_candidates
     out = {
-        "dp": [Layout("dp", n, 1, 1, b, "replicated") for b in _micro(global_batch, n, 1,
-                                                                       max_micro)],
+        "dp": [Layout("dp", n, 1, 1, b, "replicated")
+               for b in micro_candidates(global_batch, n, 1, max_micro)],
         "zero2": [Layout("zero2", n, 1, 1, b, "replicated", zero_state=True, zero_gather=True)
-                  for b in _micro(global_batch, n, 1, max_micro)],
+                  for b in micro_candidates(global_batch, n, 1, max_micro)],
         "zero3": [Layout("zero3", n, 1, 1, b, "zero3", zero_state=True)
-                  for b in _micro(global_batch, n, 1, max_micro)],
+                  for b in micro_candidates(global_batch, n, 1, max_micro)],
         "megatron": [Layout("megatron", n // tp, tp, 1, b, "tensor")
-                     for b in _micro(global_batch, n // tp, 1, max_micro)],
+                     for b in micro_candidates(global_batch, n // tp, 1, max_micro)],
         "3d": [Layout("3d", dp, t, pp, b, "tensor", zero_state=z, zero_gather=z)
                for dp, t, pp in grid_3d(n, devices_per_host, num_layers, global_batch,
                                         max_micro)
                for z in ((False, True) if dp > 1 else (False,))
-               for b in _micro(global_batch, dp, pp, max_micro)],
+               for b in micro_candidates(global_batch, dp, pp, max_micro)],
     }
     return out
 
@@ -213,6 +212,15 @@ def _autopar_by_hand(pricer: Pricer, name: str, best_baseline: Evaluation | None
     return best, extra
 
 
+def _fastest_fitting(evals: list[Evaluation]) -> Evaluation | None:
+    """The fastest evaluation that fits memory; if none fits, the smallest (its row shows
+    the OOM and how much it needs); None for none at all."""
+    fitting = [e for e in evals if not e.oom]
+    if fitting:
+        return min(fitting, key=lambda e: e.step_s)
+    return min(evals, key=lambda e: e.memory_bytes, default=None)
+
+
 def _alpa(pricer: Pricer, suite: str, devices: int, num_layers: int
           ) -> tuple[Evaluation | None, dict]:
     """Alpa's published plan for the case priced by the step model: its stages mapped onto
@@ -233,10 +241,8 @@ def _alpa(pricer: Pricer, suite: str, devices: int, num_layers: int
         layout = Layout("alpa", 0, 0, len(stages), plan.micro, "auto", zero_state=split,
                         zero_gather=split)
         evals.append(pricer.evaluate(layout, meshes, rules=rules))
-    fitting = [e for e in evals if not e.oom]
-    best = (min(fitting, key=lambda e: e.step_s) if fitting
-            else min(evals, key=lambda e: e.memory_bytes))
-    return best, {"alpa_plan": alpa_plans.describe(plan, stages), "tried": len(evals)}
+    return _fastest_fitting(evals), {"alpa_plan": alpa_plans.describe(plan, stages),
+                                     "tried": len(evals)}
 
 
 def run_case(devices: int, model: str, global_batch: int, cluster: ClusterSpec,
@@ -263,10 +269,9 @@ def run_case(devices: int, model: str, global_batch: int, cluster: ClusterSpec,
         solves0 = pricer.solves
         extra: dict = {}
         if name in layouts:
-            best, evals = best_fitting(pricer, layouts[name])
+            _, evals = best_fitting(pricer, layouts[name])
             extra["tried"] = len(evals)
-            if best is None and evals:
-                best = min(evals, key=lambda e: e.memory_bytes)
+            best = _fastest_fitting(evals)
             if best is not None and not best.oom and (
                     best_baseline is None or best.step_s < best_baseline.step_s):
                 best_baseline = best
