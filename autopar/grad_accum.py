@@ -95,9 +95,38 @@ def _reduce_sum_axes(eqn: Any, read_specs: Sequence[Spec | None]) -> list[str]:
     return _axes_on(read_specs[0], eqn.params["axes"])
 
 
-# Contractions whose result is a sum over a dimension: name → the mesh axes that dimension
-# is split over in the operands' read layouts (a shard-local evaluation gives partial sums).
-_CONTRACTIONS = {"dot_general": _dot_axes, "reduce_sum": _reduce_sum_axes}
+def _conv_axes(eqn: Any, read_specs: Sequence[Spec | None]) -> list[str]:
+    """A convolution sums over the lhs feature dim against the rhs input-feature dim (a
+    kernel's gradient is such a convolution with the batch as that feature dim).  Grouped
+    features (`feature_group_count` > 1) pair each lhs feature block with its own group:
+    a split of that dim is not a plain partial sum, so it is not deferred.  Batch groups
+    group the lhs batch dim and the output features, not the summed dim."""
+    if eqn.params["feature_group_count"] != 1:
+        return []
+    dn = eqn.params["dimension_numbers"]
+    rhs = set(_axes_on(read_specs[1], [dn.rhs_spec[1]]))
+    return [a for a in _axes_on(read_specs[0], [dn.lhs_spec[1]]) if a in rhs]
+
+
+#: Contractions whose result is a sum over a dimension: name → the mesh axes that dimension
+#: is split over in the operands' read layouts (a shard-local evaluation gives partial
+#: sums).  The one rule set for deferring gradient reductions: the runtime defers exactly
+#: these, and the planner (`pipeline_planner`) prices exactly these once per step.
+CONTRACTIONS = {"dot_general": _dot_axes, "conv_general_dilated": _conv_axes,
+                "reduce_sum": _reduce_sum_axes}
+
+
+def defers(eqn: Any) -> bool:
+    """Whether the runtime can keep the sum `eqn` computes unreduced (when its operands'
+    layouts split the summed dim): a rule of `CONTRACTIONS` without grouped features."""
+    return eqn.name in CONTRACTIONS and not (eqn.name == "conv_general_dilated"
+                                             and eqn.params["feature_group_count"] != 1)
+
+
+def passes_sums(name: str) -> bool:
+    """Whether an equation maps a sum of parts to the sum of its images (a deferred
+    gradient goes through it unreduced)."""
+    return name in _LINEAR_UNARY or name in _LINEAR_SUM
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -121,21 +150,20 @@ class Deferral:
         """Walks back from the parameter gradients `grad_outs` (value ids of `fb`) through
         linear equations of `eqns` to the contractions that produce them."""
         inside = set(eqns)
-        is_linear = lambda k: k in inside and (fb.eqns[k].name in _LINEAR_UNARY
-                                               or fb.eqns[k].name in _LINEAR_SUM)
+        is_linear = lambda k: k in inside and passes_sums(fb.eqns[k].name)
         contractions: dict[int, tuple[tuple[str, ...], tuple[Spec, ...]]] = {}
         linear: set[int] = set()
         for k in fb.producers_back(grad_outs, is_linear):
             eqn = fb.eqns[k]
             if is_linear(k):
                 linear.add(k)
-            elif k in inside and eqn.name in _CONTRACTIONS:
+            elif k in inside and eqn.name in CONTRACTIONS:
                 reads = tuple(operand_specs.get((k, j), value_specs.get(op))
                               if isinstance(op, int) else None
                               for j, op in enumerate(eqn.inputs))
                 if any(r is None for r in reads):
                     continue
-                axes = _CONTRACTIONS[eqn.name](eqn, reads)
+                axes = CONTRACTIONS[eqn.name](eqn, reads)
                 if axes:
                     contractions[k] = (tuple(axes), reads)
         return Deferral(contractions, frozenset(linear), value_specs)

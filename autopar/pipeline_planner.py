@@ -42,7 +42,7 @@ from autopar.passes.sharding_spec import (
 )
 
 from . import pipeline
-from .grad_accum import Deferral, unreduced_spec
+from .grad_accum import Deferral, defers, passes_sums, unreduced_spec
 from .layer import LayerProgram, differentiable_values
 from .methods import PipelineMethod
 from .plan import LayerPlan, Plan, PredictedCost, StagePlan
@@ -394,16 +394,13 @@ def _residuals(fb: Graph, num_primal_outs: int, kept_inputs: set[int]) -> set[in
                  and fb.values[op].producer < start)}
 
 
-_LAYOUT_ONLY = frozenset({"convert_element_type", "reshape", "transpose", "copy", "copy_p",
-                          "squeeze", "expand_dims", "reduce_precision", "broadcast_in_dim"})
-
-
 def _gradient_matmuls(fb: Graph, grads: Sequence[int]) -> set[int]:
-    """Indices of the matmuls/convolutions producing the parameter gradients `grads`,
-    found by walking back through layout-only equations and sums of gradients."""
-    through = lambda k: fb.eqns[k].name in _LAYOUT_ONLY or fb.eqns[k].name in ("add", "add_any")
-    return {k for k in fb.producers_back(grads, through)
-            if fb.eqns[k].name in ("dot_general", "conv_general_dilated")}
+    """Indices of the contractions producing the parameter gradients `grads` whose
+    reduction the runtime defers to once per step (`grad_accum.defers`: matmuls,
+    convolutions without grouped features, sums), found by walking back through the
+    equations a deferred sum passes (`grad_accum.passes_sums`) — the runtime's own walk."""
+    through = lambda k: passes_sums(fb.eqns[k].name)
+    return {k for k in fb.producers_back(grads, through) if defers(fb.eqns[k])}
 
 
 def _cheapest(options: dict[tuple[int, ...], _Priced]) -> _Priced:

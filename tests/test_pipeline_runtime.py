@@ -18,7 +18,7 @@ from autopar.passes.sharding_spec import is_slice
 from autopar.transfer import with_tiling
 
 from helpers import assert_same_micro_batched_run, cheap_comm_cluster
-from models import make_case, mlp_case
+from models import convbn_case, make_case, mlp_case, moe_case
 
 TOL = dict(rtol=2e-4, atol=2e-5)
 FAST = dict(time_limit_s=5.0)
@@ -75,6 +75,47 @@ def test_data_parallel_stages_reduce_gradients_once_per_step(shard_state):
     else:
         assert audit["finalize"] == {"all-reduce": params}, audit
         assert "all-gather" not in audit["apply"], audit
+    assert_same_micro_batched_run(case, step, 4, **TOL)
+
+
+def _data_parallel_stages(case):
+    """`case` on two 4-way data-parallel stages, 4 micro-batches, the optimizer state laid
+    out like the parameters: (the step, the state, the step's audit)."""
+    state, batch = case.init()
+    step = autopar.parallelize(
+        case.step, method=autopar.Manual3DParallel(dp=4, tp=1, pp=2, num_micro_batches=4,
+                                                   shard_optimizer_state=False, **FAST),
+        donate_argnums=())
+    return step, state, _step_audit(step, (state, batch))
+
+
+def test_convolution_gradients_are_reduced_once_per_step():
+    # Two 4-way data-parallel stages of a conv+BatchNorm net, 4 micro-batches: each
+    # kernel's gradient (a convolution summing over the split batch) stays unreduced in
+    # every backward and is all-reduced once, in the step's finalize.  What the backward
+    # still reduces per micro-batch is BatchNorm's per-channel sums, which the input's
+    # gradient needs there (2 x 8 and 2 x 16 float32 per micro-batch; XLA shares them with
+    # the scale and bias gradients).
+    case = convbn_case(batch=64)
+    step, state, audit = _data_parallel_stages(case)
+    kernels = sum(x.size * 4 for path, x in jax.tree_util.tree_leaves_with_path(state["params"])
+                  if "kernel" in jax.tree_util.keystr(path))
+    assert audit["backward"].get("all-reduce", 0.0) <= 4 * 4 * (2 * 8 + 2 * 16), audit
+    assert set(audit["backward"]) <= {"all-reduce"}, audit
+    assert set(audit["finalize"]) == {"all-reduce"}, audit
+    assert kernels <= audit["finalize"]["all-reduce"] <= _param_bytes(state), audit
+    assert_same_micro_batched_run(case, step, 4, **TOL)
+
+
+def test_moe_stages_reduce_gradients_once_per_step():
+    # The MoE classifier on two 4-way data-parallel stages, 4 micro-batches: the backward
+    # moves tokens to and from their experts (all-to-alls) and reduces no gradient; the
+    # finalize reduces them once per step, at most every parameter's bytes once.
+    case = moe_case(batch=64)
+    step, state, audit = _data_parallel_stages(case)
+    assert "all-reduce" not in audit["backward"], audit
+    assert set(audit["finalize"]) == {"all-reduce"}, audit
+    assert audit["finalize"]["all-reduce"] <= _param_bytes(state), audit
     assert_same_micro_batched_run(case, step, 4, **TOL)
 
 
