@@ -9,7 +9,8 @@ gpt/moe/wrn price the Alpa paper's weak-scaling cases for autopar and the hand-w
 strategies on a cluster preset; toy runs every strategy for real on 8 emulated CPU devices
 and checks the results against the single-device step (exit status 1 if any differs).
 all regenerates every file of benchmarks/results/ this machine can make (each part in a
-fresh process, with the module's documented defaults: the six suites with their audits, toy,
+fresh process, with the module's documented defaults: the six suites with their audits and
+explanations (`benchmarks.explain`), toy,
 every other benchmark module, the saved plans), skips the GPU-only ones with a note, and
 prints the wall time of each part and in all; --list names the parts, --dry-run prints the
 plan without running it.  The whole run takes hours on 2 cores.
@@ -78,7 +79,8 @@ def parts() -> list[Part]:
         for cluster in SUITE_CLUSTERS:
             name = f"{suite}-{cluster}"
             out.append(Part(name, (("benchmarks", suite, "--cluster", cluster),
-                                   ("benchmarks.audit", f"{RESULTS}/{name}.json")),
+                                   ("benchmarks.audit", f"{RESULTS}/{name}.json"),
+                                   ("benchmarks.explain", f"{RESULTS}/{name}.json")),
                             (f"{name}.md", f"{name}.json", f"{name}.png")))
     out.append(Part("solver_iopddl", (("benchmarks.solver_iopddl",),),
                     ("solver_iopddl.md", "solver_iopddl.json"),

@@ -21,9 +21,7 @@ so the memory scheduler is the closer stand-in for the programs the plans were p
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 import sys
 import time
 
@@ -37,10 +35,8 @@ import jax  # noqa: E402
 import autopar  # noqa: E402
 from autopar import models as zoo  # noqa: E402
 from autopar.cost_model import ClusterSpec  # noqa: E402
-from autopar.cost_model.jsonio import write_json_atomic  # noqa: E402
 from autopar.plan import Plan  # noqa: E402
 from benchmarks import suite  # noqa: E402
-from benchmarks.stamp import stamp  # noqa: E402
 
 
 def audit_case(row: dict, cluster: ClusterSpec, global_batch: int,
@@ -65,23 +61,8 @@ def audit_case(row: dict, cluster: ClusterSpec, global_batch: int,
 
 
 def run(path: str | os.PathLike) -> dict:
-    path = pathlib.Path(path)
-    data = json.loads(path.read_text())
-    cluster = ClusterSpec.from_json(data["cluster"])
-    for row in data["rows"]:
-        result = audit_case(row, cluster, data["global_batch"], data.get("overrides"))
-        if result is not None:
-            row["audit"] = result
-            print(f"{row['devices']} x {row['model']}: {result}", file=sys.stderr, flush=True)
-    # The suite's own stamp ("meta") says who priced the rows; this one who audited them.
-    data["audit_meta"] = stamp()
-    write_json_atomic(path, data)
-    text = suite.markdown(data["suite"], cluster, data["rows"], data["wall_s"], data)
-    md = path.with_suffix(".md")
-    tmp = md.with_suffix(".md.tmp")
-    tmp.write_text(text)
-    tmp.replace(md)
-    return data
+    """Audits every case of a suite's JSON that fits here; rewrites the JSON and markdown."""
+    return suite.annotate(path, "audit", audit_case, "audit_meta")
 
 
 if __name__ == "__main__":

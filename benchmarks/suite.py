@@ -30,6 +30,7 @@ Writes benchmarks/results/<suite>-<cluster>.md, .json and a throughput chart .pn
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import sys
 import time
@@ -88,6 +89,14 @@ BASELINES = ("dp", "zero2", "zero3", "megatron", "3d")
 LABELS = {"dp": "Data parallel", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
           "megatron": "Megatron TP+DP", "3d": "Best manual 3-D", "alpa": "Alpa's plan",
           "autopar-shard": "autopar intra-op", "autopar": "autopar (pipeshard)"}
+#: A ratio within this of 1 is a tie: the same layout priced through two summation orders
+#: (5e-7 on the V100 GPT suite's 1-device case).
+TIE = 1e-5
+
+
+def loses(ratio: float | None) -> bool:
+    """Whether autopar's row is slower than the row the ratio compares it with."""
+    return ratio is not None and ratio > 1.0 + TIE
 
 
 def case_cluster(cluster: ClusterSpec, devices: int) -> ClusterSpec:
@@ -321,13 +330,16 @@ def _slower_notes(row: dict) -> list[str]:
     out = []
     best = min((s for s in BASELINES if "step_s" in st.get(s, {}) and not st[s]["oom"]),
                key=lambda s: st[s]["step_s"], default=None)
+    view = row.get("planner_view") or {}
     for ratio, other in ((row.get("ratio"), best), (row.get("ratio_alpa"), "alpa")):
-        if ratio is None or ratio <= 1.0 or other is None:
+        if not loses(ratio) or other is None:
             continue
+        why = (f" Why: {view['reason']} ({view['verdict']}; `benchmarks.explain`)."
+               if other == best and view.get("against") == best else "")
         out.append(f"- {row['devices']} x {row['model']}: autopar {auto['step_s']:.3f} s "
                    f"({_layout_cell('autopar', auto)}) against {LABELS[other]} "
                    f"{st[other]['step_s']:.3f} s ({_layout_cell(other, st[other])}): "
-                   f"{100 * (ratio - 1):.2f}% slower.")
+                   f"{100 * (ratio - 1):.2f}% slower.{why}")
     return out
 
 
@@ -499,11 +511,40 @@ def run(suite: str, cluster_name: str | ClusterSpec, *, out_dir: pathlib.Path = 
     result = {"meta": meta, "suite": suite, "cluster": cluster.to_json(),
               "global_batch": batch, "overrides": dict(spec.overrides),
               "workload_source": spec.source, "wall_s": round(wall, 1), "rows": rows}
-    text = markdown(suite, cluster, rows, wall, result)
     write_json_atomic(stem.with_suffix(".json"), result)
-    tmp = stem.with_suffix(".md.tmp")
-    tmp.write_text(text)
-    tmp.replace(stem.with_suffix(".md"))
+    print(write_markdown(stem.with_suffix(".json"), result))
     chart(suite, cluster, rows, stem.with_suffix(".png"))
-    print(text)
     return result
+
+
+def annotate(path: str | pathlib.Path, key: str, case: Callable[..., dict | None],
+             meta_key: str, command: str | None = None) -> dict:
+    """A post-pass over a suite's JSON (`benchmarks.audit`, `benchmarks.explain`): puts
+    `case(row, cluster, global_batch, overrides)` into every row under `key` (a None drops
+    the key), stamps the pass under `meta_key` (the suite's own stamp, "meta", says who
+    priced the rows), and rewrites the JSON and its markdown; returns the data."""
+    path = pathlib.Path(path)
+    data = json.loads(path.read_text())
+    cluster = ClusterSpec.from_json(data["cluster"])
+    for row in data["rows"]:
+        row.pop(key, None)
+        result = case(row, cluster, data["global_batch"], data.get("overrides"))
+        if result is not None:
+            row[key] = result
+            print(f"{row['devices']} x {row['model']}: {result}", file=sys.stderr, flush=True)
+    data[meta_key] = stamp(command)
+    write_json_atomic(path, data)
+    write_markdown(path, data)
+    return data
+
+
+def write_markdown(json_path: pathlib.Path, result: dict) -> str:
+    """Writes the results page of a suite's JSON `result` next to it (atomically: a
+    temporary file renamed); returns its text."""
+    cluster = ClusterSpec.from_json(result["cluster"])
+    text = markdown(result["suite"], cluster, result["rows"], result["wall_s"], result)
+    md = json_path.with_suffix(".md")
+    tmp = md.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    tmp.replace(md)
+    return text
