@@ -135,6 +135,7 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
                       submit: intra_op.Submit | None = None,
                       update: StateSplit | None = None,
                       lean: bool = False,
+                      memory_price: float = 0.0,
                       retry_time_limit_s: float | None = None,
                       builds: intra_op.BuildCache | None = None
                       ) -> Callable[[], dict[tuple[int, ...], _Priced]]:
@@ -157,6 +158,9 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
     With `lean`, every parameter must be cut into as many shards as its shape allows on
     the mesh (`LEAN_PENALTY_S` on any other layout): the memory-lean end of the layer's
     time/memory trade-off, which a stage takes when its time-optimal layouts do not fit.
+    With `memory_price` (seconds per byte per device, `MEMORY_PRICES`) every parameter's
+    layout also pays for the bytes it keeps on each device (the parameter, its gradient and
+    its optimizer state): a point between the two ends.
 
     `layer` is `LayerProgram.build(graph, program, diff, remat=remat)` when the caller
     already has it (one trace serves every sub-mesh).  The problems are built now and
@@ -179,7 +183,7 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
     # their layout (unreduced: a data-parallel layout adds whole gradients on every device).
     traffic = {vid: ACCUMULATE_TRAFFIC for vid in grad_outs}
     param_inputs = [(fb.invars[k], graph.values[vid]) for k, vid in enumerate(f_ids)
-                    if vid in params] if update is not None or lean else []
+                    if vid in params] if update is not None or lean or memory_price else []
     # A fixed (dp, tp) layout splits the batch over dp only: the other axes split the model.
     batch_led = (_batch_dims(fb, [v for k, v in enumerate(fb.invars)
                                   if k >= len(f_ids) or f_ids[k] not in params], batch_size)
@@ -188,7 +192,8 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
     for shape in shapes or logical_shapes(submesh):
         mesh = MeshContext.build(shape, sub)
         updates = {fv: _param_cost(update, lean, value.shape, value.nbytes, mesh,
-                                   num_micro_batches) for fv, value in param_inputs}
+                                   num_micro_batches, memory_price)
+                   for fv, value in param_inputs}
         if batch_led:
             updates = _with_batch_axis_only(updates, batch_led, mesh)
         forced = {}
@@ -208,8 +213,19 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
             time_limit_s=time_limit_s, comm_scale=scale, traffic=traffic,
             value_costs=updates, submit=submit, retry_time_limit_s=retry_time_limit_s,
             builds=builds)))
-    return lambda: {shape: _priced(graph, program, layer, position, per_micro_inputs, mesh,
-                                   run.result()) for shape, mesh, run in pending}
+    def uncharged(p: _Priced) -> _Priced:
+        """The solution's time without the memory price its ILP paid (not seconds the
+        step spends)."""
+        if not memory_price:
+            return p
+        charge = sum(_memory_charge_s(memory_price, update, graph.values[vid].nbytes,
+                                      p.mesh.shards(spec))
+                     for vid, spec in zip(program.inputs, p.input_specs) if vid in params)
+        return dataclasses.replace(p, cost_s=p.cost_s - charge)
+
+    return lambda: {shape: uncharged(_priced(graph, program, layer, position, per_micro_inputs,
+                                             mesh, run.result()))
+                    for shape, mesh, run in pending}
 
 
 def _batch_dims(fb: Graph, batch_inputs: Sequence[int], batch_size: int
@@ -321,11 +337,30 @@ def updates_s(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgra
 LEAN_PENALTY_S = 1e4
 
 
+#: The memory-priced layer solves between the time-optimal and the lean ends of a layer's
+#: trade-off, as multiples of one read of the byte from device memory (seconds per byte
+#: per device = factor / `memory_bandwidth_bytes_per_s`): a stage whose time-optimal
+#: layouts do not fit tries them in this order before the lean ones, all its layers at one
+#: price (a Lagrangian sweep of the stage's memory constraint: each price gives a stage on
+#: its time/memory frontier).  Four-fold steps; Megatron-style weight splits pay against
+#: replicated weights split over the tokens from about 1 on GPT layers.
+MEMORY_PRICES = (0.25, 1.0, 4.0, 16.0)
+#: The trade-off level of the lean layer solves (after the time-optimal level 0 and the
+#: memory-priced levels 1..len(MEMORY_PRICES)).
+LEAN = len(MEMORY_PRICES) + 1
+
+
+def _level_name(level: int) -> str:
+    return "lean" if level == LEAN else f"memory-priced ({MEMORY_PRICES[level - 1]:g})"
+
+
 def _param_cost(update: StateSplit | None, lean: bool, shape: tuple[int, ...], nbytes: float,
-                mesh: MeshContext, num_micro_batches: int) -> Callable[[Spec], float]:
+                mesh: MeshContext, num_micro_batches: int, memory_price: float = 0.0
+                ) -> Callable[[Spec], float]:
     """A parameter input's extra seconds per spec: its update amortized over the
-    micro-batches (`update`), and with `lean` the penalty on a spec with fewer shards than
-    the finest even split of `shape` on `mesh`."""
+    micro-batches (`update`), with `lean` the penalty on a spec with fewer shards than
+    the finest even split of `shape` on `mesh`, and `memory_price` (s/byte) times the
+    bytes per device the spec keeps of the parameter, its gradient and optimizer state."""
     finest = max(mesh.shards(s) for s in enumerate_specs(shape, mesh)) if lean else 0
 
     def cost(spec: Spec) -> float:
@@ -333,8 +368,19 @@ def _param_cost(update: StateSplit | None, lean: bool, shape: tuple[int, ...], n
             update.cost_s(spec, shape, nbytes, mesh) / num_micro_batches)
         if lean and mesh.shards(spec) < finest:
             seconds += LEAN_PENALTY_S
+        if memory_price:
+            seconds += _memory_charge_s(memory_price, update, nbytes, mesh.shards(spec))
         return seconds
     return cost
+
+
+def _memory_charge_s(memory_price: float, update: StateSplit | None, nbytes: float,
+                     shards: int) -> float:
+    """The memory price (s/byte) of a parameter of `nbytes` cut into `shards` per device:
+    its bytes there, its gradient's and its optimizer state's (`update`'s bytes per
+    parameter byte; none without)."""
+    held_per_byte = 2.0 + (update.state_bytes_per_param_byte if update is not None else 0.0)
+    return memory_price * held_per_byte * nbytes / shards
 
 
 def _priced(graph: Graph, program: pipeline.StageProgram, layer: LayerProgram,
@@ -471,7 +517,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     layer_kw = dict(kw, time_limit_s=min(method.time_limit_s, LAYER_TIME_LIMIT_S),
                     retry_time_limit_s=min(method.time_limit_s, LAYER_RETRY_TIME_LIMIT_S),
                     update=splits[modes[0]])
-    layer_cache: dict[tuple[str, tuple[int, int], bool], dict[tuple[int, ...], _Priced]] = {}
+    layer_cache: dict[tuple[str, tuple[int, int], int], dict[tuple[int, ...], _Priced]] = {}
     layer_seen: set[tuple[int, tuple[int, int]]] = set()
     layer_pairs = lay.num_layers * len(
         set(layout.submesh_shapes) if layout.submesh_shapes is not None
@@ -482,27 +528,30 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     # Identical layers share one trace of their forward+backward (that of the first).
     traced_layers: dict[str, tuple[pipeline.StageProgram, LayerProgram]] = {}
 
-    started: dict[tuple[str, tuple[int, int], bool], Callable[[], dict]] = {}
+    started: dict[tuple[str, tuple[int, int], int], Callable[[], dict]] = {}
     pool = SolvePool()
-    # A lean layer ILP is its time-optimal twin with other parameter costs: one build each.
+    # A layer's memory-priced and lean ILPs are its time-optimal twin with other parameter
+    # costs: one build each.
     builds = intra_op.BuildCache()
 
-    def start_layer(layer: int, submesh: tuple[int, int], lean: bool = False
-                    ) -> tuple[str, tuple[int, int], bool]:
-        """Builds the layer's ILPs on `submesh` and hands them to the pool (once per
-        distinct layer program, sub-mesh and `lean`); returns the cache key."""
+    def start_layer(layer: int, submesh: tuple[int, int], level: int = 0
+                    ) -> tuple[str, tuple[int, int], int]:
+        """Builds the layer's ILPs on `submesh` at trade-off `level` (0 time-optimal,
+        1.. `MEMORY_PRICES`, `LEAN` parameters cut as finely as they go) and hands them to
+        the pool, once per distinct layer program, sub-mesh and level; returns the cache
+        key."""
         if layer not in program_keys:
             program_keys[layer] = _program_key(graph, layer_programs[layer], diff)
         pkey = program_keys[layer]
-        key = (pkey, submesh, lean)
-        if not lean:
+        key = (pkey, submesh, level)
+        if not level:
             layer_seen.add((layer, submesh))
         if key not in layer_cache and key not in started:
             if progress:
                 progress(f"layer ILP {len(layer_seen)}/{layer_pairs}: layer {layer} on "
-                         f"sub-mesh {submesh}" if not lean else
-                         f"lean layer ILP: layer {layer} on sub-mesh {submesh} (parameters "
-                         f"split as finely as they go: the time-optimal stages do not fit)")
+                         f"sub-mesh {submesh}" if not level else
+                         f"{_level_name(level)} layer ILP: layer {layer} on sub-mesh "
+                         f"{submesh} (the faster stages do not fit)")
             if pkey not in traced_layers:
                 prog = layer_programs[layer]
                 traced_layers[pkey] = (prog, LayerProgram.build(graph, prog, diff,
@@ -512,22 +561,25 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                 graph, prog, diff, cluster, submesh, forced_batch_axis=layout.batch_axis,
                 shapes=fixed_shape, remat=split.remat,
                 num_micro_batches=method.num_micro_batches, layer=traced,
-                submit=pool.submit, lean=lean, builds=builds, **layer_kw)
+                submit=pool.submit, lean=level == LEAN,
+                memory_price=(MEMORY_PRICES[level - 1] / cluster.memory_bandwidth_bytes_per_s
+                              if 0 < level < LEAN else 0.0),
+                builds=builds, **layer_kw)
         return key
 
-    lean_submeshes: set[tuple[int, int]] = set()
+    leaner_submeshes: set[tuple[tuple[int, int], int]] = set()
 
-    def layer_options(layer: int, submesh: tuple[int, int], lean: bool = False
+    def layer_options(layer: int, submesh: tuple[int, int], level: int = 0
                       ) -> dict[tuple[int, ...], _Priced]:
-        key = start_layer(layer, submesh, lean)
-        if lean and submesh not in lean_submeshes:
-            # The time-optimal stages do not fit on this sub-mesh: the stage DP will ask
-            # for the lean options of most layers here, so the pool solves them side by
-            # side rather than one at a time as they are asked for (GPT-39B on 64 V100s:
-            # 13 s of waiting for lean answers -> 7 s).
-            lean_submeshes.add(submesh)
+        key = start_layer(layer, submesh, level)
+        if level and (submesh, level) not in leaner_submeshes:
+            # The faster stages do not fit on this sub-mesh: the stage DP will ask for this
+            # level's options of most layers here, so the pool solves them side by side
+            # rather than one at a time as they are asked for (GPT-39B on 64 V100s: 13 s
+            # of waiting for lean answers -> 7 s).
+            leaner_submeshes.add((submesh, level))
             for k in range(lay.num_layers):
-                start_layer(k, submesh, lean=True)
+                start_layer(k, submesh, level)
         if key not in layer_cache:
             # A lean solve that cannot cut every parameter finely carries the penalty:
             # that logical shape has no lean option.
@@ -542,13 +594,12 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     micro = method.num_micro_batches
     link = cluster.inter_host if hosts > 1 else cluster.intra_host
 
-    def stage_options(i: int, j: int, submesh: tuple[int, int], lean: bool = False
+    def stage_options(i: int, j: int, submesh: tuple[int, int], level: int = 0
                       ) -> list[_StageEstimate]:
         """Layers i..j on `submesh`, one estimate per logical shape (all layers of a stage
-        share its mesh): their time-optimal solutions, or with `lean` their memory-lean
-        ones (parameters split as finely as they go)."""
+        share its mesh): their solutions at trade-off `level` (`start_layer`)."""
         progs = [layer_programs[k] for k in range(i, j + 1)]
-        options = [layer_options(k, submesh, lean) for k in range(i, j + 1)]
+        options = [layer_options(k, submesh, level) for k in range(i, j + 1)]
         out = []
         for shape in options[0]:
             if any(shape not in o for o in options):
@@ -586,11 +637,14 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
 
     def fitting_stage(i: int, j: int, submesh: tuple[int, int], in_flight: int
                       ) -> _StageEstimate | None:
-        """The fastest time-optimal option of layers i..j that fits, else the fastest
-        memory-lean one."""
+        """The fastest option of layers i..j that fits at the first trade-off level where
+        one does (time-optimal, then each memory price, then lean)."""
         whole = i == 0 and j == lay.num_layers - 1 and submesh[0] * submesh[1] == n
-        return (fitting(stage_options(i, j, submesh), in_flight, whole)
-                or fitting(stage_options(i, j, submesh, lean=True), in_flight, whole))
+        for level in range(LEAN + 1):
+            best = fitting(stage_options(i, j, submesh, level), in_flight, whole)
+            if best is not None:
+                return best
+        return None
 
     range_costs: dict[tuple[int, int, tuple[int, int]], float | None] = {}
 

@@ -136,6 +136,37 @@ def test_lean_layer_solve_cuts_every_parameter_as_finely_as_it_goes(toy_pricer):
     assert held["lean"] < held["fast"], held
 
 
+def test_memory_priced_layer_solves_sit_between_the_two_ends(toy_pricer):
+    """The memory-priced solves (`start_price_stage(memory_price=...)`, the levels a stage
+    tries between time-optimal and lean): a higher price keeps no more parameter bytes
+    per device, and the time reported is the layout's own, the price taken off (a zero
+    price reproduces the time-optimal solve)."""
+    from autopar.pipeline_planner import price_stage
+
+    w = toy_pricer.workload(2)
+    kw = dict(solver="auto", time_limit_s=10, batch_size=w.micro_batch, shapes=[(2, 2)],
+              remat=w.split.remat, num_micro_batches=2)
+    args = (w.graph, w.layers[1], w.diff, toy_pricer.cluster, (1, 4))
+
+    def held(p) -> float:
+        return sum(w.value_bytes(v) / p.mesh.shards(spec)
+                   for v, spec in zip(w.layers[1].inputs, p.input_specs) if v in w.param_ids)
+
+    fast = price_stage(*args, **kw)[(2, 2)]
+    lean = price_stage(*args, lean=True, **kw)[(2, 2)]
+    bandwidth = toy_pricer.cluster.memory_bandwidth_bytes_per_s
+    # Prices from negligible to far above any layer time per byte held.
+    priced = [price_stage(*args, memory_price=f / bandwidth, **kw)[(2, 2)]
+              for f in (1e-9, 1e3, 1e9)]
+    assert priced[0].cost_s == pytest.approx(fast.cost_s, rel=1e-6)
+    assert held(priced[0]) == held(fast)
+    amounts = [held(p) for p in priced]
+    assert amounts == sorted(amounts, reverse=True), amounts
+    assert amounts[-1] == pytest.approx(held(lean)) and amounts[-1] < held(fast)
+    for p in priced:
+        assert fast.cost_s * (1 - 1e-9) <= p.cost_s
+
+
 def test_fixed_3d_layout_splits_the_batch_over_dp_only():
     """A (dp, tp) stage of Manual3DParallel (`forced_batch_axis`): no value of the layer's
     forward+backward splits its batch dim over the tp axis, so tp is tensor parallelism.
