@@ -20,8 +20,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import select
 import struct
 import sys
+import time
 import types
 from typing import Any
 
@@ -38,20 +40,27 @@ def write_frame(fd: int, payload: bytes) -> None:
         view = view[n:]
 
 
-def read_frame(fd: int) -> bytes | None:
-    head = _read_exact(fd, 8)
+def read_frame(fd: int, deadline: float | None = None) -> bytes | None:
+    """The next frame's payload (None at the end of the stream).  `deadline`
+    (`time.monotonic()` seconds): `TimeoutError` if the frame has not arrived by then."""
+    head = _read_exact(fd, 8, deadline)
     if head is None:
         return None
     (size,) = struct.unpack("<Q", head)
     if size > MAX_FRAME_BYTES:  # not a length we wrote: text on the stream (a stray print)
         raise OSError(f"solver worker stream: frame of {size:,} bytes announced, at most "
                       f"{MAX_FRAME_BYTES:,} expected (the stream is corrupt)")
-    return _read_exact(fd, size)
+    return _read_exact(fd, size, deadline)
 
 
-def _read_exact(fd: int, size: int) -> bytes | None:
+def _read_exact(fd: int, size: int, deadline: float | None = None) -> bytes | None:
     chunks, left = [], size
     while left:
+        if deadline is not None:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+                raise TimeoutError(f"no answer on the solver worker's stream by the deadline "
+                                   f"({size - left:,} of {size:,} bytes read)")
         chunk = os.read(fd, min(left, 1 << 20))
         if not chunk:
             return None

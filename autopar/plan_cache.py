@@ -103,6 +103,14 @@ def cache_key(fingerprint: str, method: Any, cluster: ClusterSpec, *,
     return hashlib.sha256(text.encode()).hexdigest(), fields
 
 
+#: What reading a damaged entry can raise, each meaning "ignore it": bytes that are not
+#: UTF-8 (UnicodeDecodeError) or not JSON (JSONDecodeError), JSON nested past the
+#: parser's recursion limit (RecursionError), and a plan of the wrong shape or values
+#: (PlanError, a ValueError; TypeError, KeyError, IndexError, AttributeError from fields
+#: of the wrong type).
+_UNREADABLE = (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError)
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanCache:
     """Plans stored under `directory` (None: a disabled cache that stores nothing)."""
@@ -131,14 +139,14 @@ class PlanCache:
             return None
         path = self.path(key)
         try:
-            text = path.read_text(encoding="utf-8")
+            raw = path.read_bytes()
         except FileNotFoundError:
             return None
         except OSError as err:
             _warn(path, f"cannot be read ({err})")
             return None
         try:
-            data = json.loads(text)
+            data = json.loads(raw.decode("utf-8"))
             if not isinstance(data, dict):
                 raise PlanError(f"holds a JSON {type(data).__name__}, not an object")
             if data.get("cache_format") != CACHE_FORMAT_VERSION:
@@ -155,8 +163,8 @@ class PlanCache:
                                 f"program's is {fingerprint}")
             if verify is not None:
                 verify(plan)
-        except (ValueError, TypeError, KeyError) as err:  # JSONDecodeError, PlanError
-            _warn(path, str(err))
+        except _UNREADABLE as err:
+            _warn(path, f"{type(err).__name__}: {err}")
             return None
         return plan
 

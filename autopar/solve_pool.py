@@ -14,11 +14,13 @@ a problem.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import queue
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,8 @@ from autopar.passes import solver as solver_pkg
 from autopar.passes.solver import InfeasibleError, ShardingProblem, Solution, solve
 
 from . import _solve_worker as wire
+
+log = logging.getLogger("autopar")
 
 _WORKER = os.path.abspath(wire.__file__)
 # np.load parses each array's header with ast.literal_eval, and CPython 3.11's AST
@@ -156,7 +160,13 @@ def _ask(proc: subprocess.Popen, problem: ShardingProblem, time_limit_s: float,
         meta["node_names"] = [""] * problem.num_nodes
     try:
         wire.write_frame(proc.stdin.fileno(), wire.encode(wire.problem_arrays(problem), meta))
-        frame = wire.read_frame(proc.stdout.fileno())
+        frame = wire.read_frame(proc.stdout.fileno(),
+                                time.monotonic() + answer_bound_s(time_limit_s))
+    except TimeoutError as err:  # a worker past its bound: solved here instead
+        log.warning("autopar: solver worker gave no answer on %s within %.0f s (time limit "
+                    "%.0f s): %s; solving it in this process", problem.name or "a problem",
+                    answer_bound_s(time_limit_s), time_limit_s, err)
+        return None
     except OSError:
         return None
     if frame is None:
@@ -166,6 +176,16 @@ def _ask(proc: subprocess.Popen, problem: ShardingProblem, time_limit_s: float,
             return wire.decode(frame)
         except SystemError:  # the same bug, from an AST built outside the pool: once more
             return wire.decode(frame)
+
+
+#: How long past its time limit a worker may take to answer (start-up, reading the
+#: problem, the solver's own overrun) before the pool stops waiting, seconds.
+ANSWER_GRACE_S = 120.0
+
+
+def answer_bound_s(time_limit_s: float) -> float:
+    """Seconds the pool waits for a worker's answer to a problem with this time limit."""
+    return 2.0 * time_limit_s + ANSWER_GRACE_S
 
 
 def _resolve(fut: concurrent.futures.Future, problem: ShardingProblem, arrays: dict,

@@ -126,8 +126,23 @@ def _other_fingerprint(path, data):
     path.write_text(json.dumps(data))
 
 
+def _not_utf8(path, data):
+    path.write_bytes(b"\xff\xfe{" + json.dumps(data).encode())
+
+
+def _deeply_nested(path, data):
+    path.write_text("[" * 200_000 + "]" * 200_000)
+
+
+def _wrong_types(path, data):
+    data["plan"]["stages"] = 7
+    path.write_text(json.dumps(data))
+
+
 @pytest.mark.parametrize("damage, reason", [
     (_corrupt, "Expecting property name"), (_foreign, "written for key"),
+    (_not_utf8, "UnicodeDecodeError"), (_deeply_nested, "RecursionError"),
+    (_wrong_types, "Error"),
     (_invalid, "unknown mesh axis 'z'"), (_other_fingerprint, "fingerprint 0123456789abcdef"),
 ])
 def test_a_bad_entry_is_ignored_with_a_warning(cache_dir, damage, reason):

@@ -227,3 +227,29 @@ def test_pool_delivers_a_failed_answer_as_the_futures_error(monkeypatch):
             first.result(timeout=60)
         assert second.result(timeout=60).status == "optimal"
     assert len(calls) == 4
+
+
+def test_pool_stops_waiting_for_a_worker_past_its_bound(monkeypatch):
+    """A worker that never answers (hung, or stuck in a solver past its time limit) is
+    waited for at most `answer_bound_s(time_limit)`: then it is stopped and the problem
+    solved in this process, so no planner wait is unbounded."""
+    import subprocess
+    import sys
+    import time
+
+    from autopar import solve_pool
+
+    def silent_worker(self, k):  # reads its input, never answers
+        return subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                                 "sys.stdin.buffer.read(); time.sleep(600)"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    monkeypatch.setattr(solve_pool.SolvePool, "_start", silent_worker)
+    monkeypatch.setattr(solve_pool, "ANSWER_GRACE_S", 1.0)
+    t0 = time.monotonic()
+    with SolvePool(workers=1) as pool:
+        answer = pool.submit(random_problem(4), time_limit_s=0.5, backend="auto").result(
+            timeout=60)
+    assert answer.status == "optimal" and not answer.stats.get("worker")
+    assert pool.solved_in_workers == 0
+    assert time.monotonic() - t0 < 30
