@@ -247,7 +247,7 @@ class DataParallel:
             spec = replicated(len(shape))
             if role == "batch" and shape and shape[0] % n == 0:
                 spec = ((axis,),) + spec[1:]
-            elif role in self._sharded_roles:
+            elif role in self._sharded_roles and math.prod(shape) >= self._min_split():
                 dims = [d for d in range(len(shape)) if shape[d] % n == 0]
                 if dims:
                     d = max(dims, key=lambda i: (shape[i], -i))
@@ -256,8 +256,39 @@ class DataParallel:
         return out
 
 
+    def _min_split(self) -> int:
+        """Elements below which a leaf of a split role stays whole (ZeRO's threshold)."""
+        return 0
+
+
+#: ZeRO's default threshold, elements: leaves smaller than this are not split (their
+#: gather or reduce-scatter costs a collective's latency for a few bytes saved).  The
+#: value of DeepSpeed's `stage3_param_persistence_threshold` default (1e5,
+#: deepspeed/runtime/zero/config.py).
+ZERO_MIN_SPLIT_ELEMENTS = 100_000
+
+
 @dataclasses.dataclass(frozen=True)
-class Zero2Parallel(DataParallel):
+class _ZeroParallel(DataParallel):
+    """Data parallel with some leaves split over the devices.  `min_split_elements`:
+    leaves with fewer elements stay replicated (biases, norms' scales: default
+    `ZERO_MIN_SPLIT_ELEMENTS`; 0 splits every leaf that divides)."""
+
+    min_split_elements: int = ZERO_MIN_SPLIT_ELEMENTS
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        v = self.min_split_elements
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{type(self).__name__}(min_split_elements={v!r}) must be an "
+                             f"int >= 0")
+
+    def _min_split(self) -> int:
+        return self.min_split_elements
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero2Parallel(_ZeroParallel):
     """Data parallel with optimizer state (and so gradient reduction) split (ZeRO-2)."""
 
     name: ClassVar[str] = "zero2"
@@ -265,7 +296,7 @@ class Zero2Parallel(DataParallel):
 
 
 @dataclasses.dataclass(frozen=True)
-class Zero3Parallel(DataParallel):
+class Zero3Parallel(_ZeroParallel):
     """Data parallel with parameters and optimizer state split (ZeRO-3 / FSDP)."""
 
     name: ClassVar[str] = "zero3"

@@ -146,8 +146,10 @@ def methods(state, batch) -> dict[str, tuple[object, int]]:
     """Strategy name → (autopar method, micro-batches)."""
     return {
         "dp": (autopar.DataParallel(), 1),
-        "zero2": (autopar.Zero2Parallel(), 1),
-        "zero3": (autopar.Zero3Parallel(), 1),
+        # Every leaf split (the default leaves the toy models' small leaves whole, and
+        # these rows would be data parallel).
+        "zero2": (autopar.Zero2Parallel(min_split_elements=0), 1),
+        "zero3": (autopar.Zero3Parallel(min_split_elements=0), 1),
         "megatron": (MegatronTP(mesh_shape=(8,), input_names=input_names(state, batch)), 1),
         "3d": (autopar.Manual3DParallel(dp=2, tp=2, pp=2, num_micro_batches=MICRO), MICRO),
         "autopar-shard": (autopar.ShardParallel(time_limit_s=20.0), 1),

@@ -35,7 +35,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 METHODS = {   # name -> method on n devices
     "shard": lambda n: autopar.ShardParallel(mesh_shape=(2, n // 2), **FAST),
-    "zero3": lambda n: autopar.Zero3Parallel(**FAST),
+    "zero3": lambda n: autopar.Zero3Parallel(min_split_elements=0, **FAST),
     "pipeshard": lambda n: autopar.PipeshardParallel(num_micro_batches=2, num_stages=2, **FAST),
 }
 

@@ -41,8 +41,10 @@ def test_shard_parallel_adamw(name):
     assert_same_run(case, step, **TOL["adamw"])
 
 
-@pytest.mark.parametrize("method", [autopar.DataParallel(), autopar.Zero2Parallel(),
-                                    autopar.Zero3Parallel()], ids=lambda m: m.name)
+@pytest.mark.parametrize("method", [autopar.DataParallel(),
+                                    autopar.Zero2Parallel(min_split_elements=0),
+                                    autopar.Zero3Parallel(min_split_elements=0)],
+                         ids=lambda m: m.name)
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_baseline_methods(name, method, optimizer):

@@ -40,7 +40,7 @@ def needs(mlp):
     """Compiled bytes per device of each method's plan (no budget)."""
     case, state, batch = mlp
     found = {name: _compiled(case, method, state, batch)[0] for name, method in [
-        ("zero3", autopar.Zero3Parallel(time_limit_s=TIME_LIMIT_S)),
+        ("zero3", autopar.Zero3Parallel(min_split_elements=0, time_limit_s=TIME_LIMIT_S)),
         ("data", autopar.DataParallel(time_limit_s=TIME_LIMIT_S)),
         ("shard", autopar.ShardParallel(time_limit_s=TIME_LIMIT_S)),
         ("shard-1d", autopar.ShardParallel(mesh_shape=(8,), time_limit_s=TIME_LIMIT_S)),
@@ -76,7 +76,7 @@ def gpt():
     case = gpt_case(batch=16, seq=32, hidden=128, heads=8, vocab=256)
     state, batch = case.init()
     found = {name: _compiled(case, method, state, batch)[0] for name, method in [
-        ("zero3", autopar.Zero3Parallel(time_limit_s=TIME_LIMIT_S)),
+        ("zero3", autopar.Zero3Parallel(min_split_elements=0, time_limit_s=TIME_LIMIT_S)),
         ("data", autopar.DataParallel(time_limit_s=TIME_LIMIT_S)),
         ("shard", autopar.ShardParallel(time_limit_s=TIME_LIMIT_S)),
     ]}
