@@ -120,8 +120,9 @@ def test_zero3_holds_an_eighth_of_the_parameters():
 def test_zero_splits_only_leaves_worth_splitting():
     """ZeRO-2 keeps leaves under `ZERO_MIN_SPLIT_ELEMENTS` whole (splitting a 512-float
     bias's state saves a few KiB per device for collectives' latencies): the 512x512
-    kernels' state is split over the 8 devices, the biases' is not.  With `min_split_elements=0` every leaf
-    that divides is split, and the compiled step has more collectives."""
+    kernels' state is split over the 8 devices, the biases' is not.  With
+    `min_split_elements=0` every leaf that divides is split, and the compiled step has
+    more collectives."""
     from autopar.methods import ZERO_MIN_SPLIT_ELEMENTS
 
     case = mlp_case(batch=64, hidden=512, layers=2, optimizer="adamw")

@@ -58,7 +58,8 @@ def test_the_command_line_sets_the_optimizer():
 @pytest.mark.parametrize("name,overrides,method,rtol,atol", [
     ("gpt-toy", {"hidden": 128, "vocab": 256, "optimizer": "adafactor"},
      autopar.ShardParallel(time_limit_s=20.0), 1e-4, 5e-5),
-    ("wrn-toy", {"optimizer": "sgd-nesterov"}, autopar.Zero2Parallel(min_split_elements=0), 2e-3, 5e-5),
+    ("wrn-toy", {"optimizer": "sgd-nesterov"}, autopar.Zero2Parallel(min_split_elements=0),
+     2e-3, 5e-5),
 ])
 def test_parallel_steps_with_each_optimizer_equal_jit(name, overrides, method, rtol, atol):
     """Two steps under autopar (a searched plan on a cluster whose communication is nearly
