@@ -123,18 +123,3 @@ COLLECTIVES: dict[CollectiveKind, CollectiveCost] = {
     "send-recv": send_recv_s,
 }
 """Cost function per collective kind (HLO spelling), for table-driven callers."""
-
-
-#: How a backend runs a collective it has no native implementation of, per device kind:
-#: XLA:CPU's runtime executes a reduce-scatter as an all-reduce of the whole input and a
-#: local slice (the compiled HLO still says reduce-scatter; `passes.memory` counts the
-#: all-reduced buffer for the same reason), so there it costs an all-reduce.  GPU (NCCL)
-#: and TPU run reduce-scatter natively.
-LOWERED_AS: dict[str, dict[CollectiveKind, CollectiveKind]] = {
-    "cpu": {"reduce-scatter": "all-reduce"},
-}
-
-
-def cost_on(kind: CollectiveKind, device_kind: str) -> CollectiveCost:
-    """The cost function of collective `kind` as `device_kind`'s backend runs it."""
-    return COLLECTIVES[LOWERED_AS.get(device_kind, {}).get(kind, kind)]

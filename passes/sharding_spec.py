@@ -115,12 +115,10 @@ class MeshContext:
         return collectives.all_gather_s(nbytes, self.dim_shards(axes), self.group_link(axes))
 
     def reduce_scatter_s(self, nbytes: float, axes: Sequence[str]) -> float:
-        """Reduce-scattering partial sums of `nbytes` over `axes`, as the backend runs it
-        (`collectives.LOWERED_AS`: an all-reduce and a slice on XLA:CPU)."""
         if not axes:
             return 0.0
-        cost = collectives.cost_on("reduce-scatter", self.cluster.device_kind)
-        return cost(nbytes, self.dim_shards(axes), self.group_link(axes, nbytes))
+        return collectives.reduce_scatter_s(nbytes, self.dim_shards(axes),
+                                            self.group_link(axes, nbytes))
 
     def all_to_all_s(self, nbytes: float, axes: Sequence[str]) -> float:
         return sum(collectives.all_to_all_s(nbytes, self.size(a), self.link(a)) for a in axes)

@@ -267,23 +267,6 @@ def test_combined_collectives_share_one_latency_on_gpus_not_on_cpu():
     assert gather_after_update_s(spec, spec, small, on_gpu) == 0.0
 
 
-def test_reduce_scatter_is_priced_as_the_backend_runs_it():
-    """XLA:CPU runs a reduce-scatter as an all-reduce and a slice: priced as the all-reduce
-    there; GPUs run it natively, half the all-reduce's ring volume."""
-    from autopar.passes.sharding_spec import MeshContext
-
-    gpu = dataclasses.replace(ClusterSpec.preset("8xV100-16GB"), intra_host=Link(0.0, 1e-11))
-    cpu = dataclasses.replace(gpu, device_kind="cpu")
-    nbytes = 64 * 2**20
-    on_cpu, on_gpu = MeshContext.build((4,), cpu), MeshContext.build((4,), gpu)
-    assert on_cpu.reduce_scatter_s(nbytes, ("x",)) == on_cpu.all_reduce_s(nbytes, ("x",))
-    assert on_gpu.reduce_scatter_s(nbytes, ("x",)) == pytest.approx(
-        on_gpu.all_reduce_s(nbytes, ("x",)) / 2)
-    assert collectives.cost_on("reduce-scatter", "cpu") is collectives.all_reduce_s
-    assert collectives.cost_on("reduce-scatter", "H100-80GB") is collectives.reduce_scatter_s
-    assert collectives.cost_on("all-gather", "cpu") is collectives.all_gather_s
-
-
 def test_roofline_compute_bound():
     spec = ClusterSpec.preset("8xA100-80GB")
     flops, nbytes = 2 * 4096**3, 3 * 4096**2 * 2  # bf16 matmul
