@@ -158,7 +158,7 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
     With `lean`, every parameter must be cut into as many shards as its shape allows on
     the mesh (`LEAN_PENALTY_S` on any other layout): the memory-lean end of the layer's
     time/memory trade-off, which a stage takes when its time-optimal layouts do not fit.
-    With `memory_price` (seconds per byte per device, `MEMORY_PRICES`) every parameter's
+    With `memory_price` (seconds per byte per device, `KNEE_FRACTIONS`) every parameter's
     layout also pays for the bytes it keeps on each device (the parameter, its gradient and
     its optimizer state): a point between the two ends.
 
@@ -338,20 +338,30 @@ LEAN_PENALTY_S = 1e4
 
 
 #: The memory-priced layer solves between the time-optimal and the lean ends of a layer's
-#: trade-off, as multiples of one read of the byte from device memory (seconds per byte
-#: per device = factor / `memory_bandwidth_bytes_per_s`): a stage whose time-optimal
-#: layouts do not fit tries them in this order before the lean ones, all its layers at one
-#: price (a Lagrangian sweep of the stage's memory constraint: each price gives a stage on
-#: its time/memory frontier).  Four-fold steps; Megatron-style weight splits pay against
-#: replicated weights split over the tokens from about 1 on GPT layers.
-MEMORY_PRICES = (0.25, 1.0, 4.0, 16.0)
+#: trade-off, as fractions of the sub-mesh's knee price (`knee_price`: the seconds per
+#: byte at which its layers' time-optimal and lean solutions cost the same): a stage whose
+#: time-optimal layouts do not fit tries them in this order before the lean ones, all its
+#: layers at one price (a Lagrangian sweep of the stage's memory constraint: each price
+#: gives a stage on its time/memory frontier).  The knee comes from the two solutions the
+#: search has anyway, so the prices follow the model and the device, not a fixed scale.
+KNEE_FRACTIONS = (0.25, 1.0)
 #: The trade-off level of the lean layer solves (after the time-optimal level 0 and the
-#: memory-priced levels 1..len(MEMORY_PRICES)).
-LEAN = len(MEMORY_PRICES) + 1
+#: memory-priced levels 1..len(KNEE_FRACTIONS)).
+LEAN = len(KNEE_FRACTIONS) + 1
 
 
 def _level_name(level: int) -> str:
-    return "lean" if level == LEAN else f"memory-priced ({MEMORY_PRICES[level - 1]:g})"
+    return "lean" if level == LEAN else f"memory-priced ({KNEE_FRACTIONS[level - 1]:g} x knee)"
+
+
+def knee_price(pairs: Sequence[tuple[float, float, float, float]]) -> float | None:
+    """Seconds per byte at which the lean end of a layer's trade-off pays: the median, over
+    (time-optimal s, time-optimal bytes, lean s, lean bytes) pairs of solutions, of the
+    time the lean one adds per byte it saves; None where no pair trades time for bytes."""
+    rates = sorted((lean_s - fast_s) / (fast_b - lean_b)
+                   for fast_s, fast_b, lean_s, lean_b in pairs
+                   if lean_s > fast_s and fast_b > lean_b)
+    return rates[len(rates) // 2] if rates else None
 
 
 def _param_cost(update: StateSplit | None, lean: bool, shape: tuple[int, ...], nbytes: float,
@@ -372,6 +382,14 @@ def _param_cost(update: StateSplit | None, lean: bool, shape: tuple[int, ...], n
             seconds += _memory_charge_s(memory_price, update, nbytes, mesh.shards(spec))
         return seconds
     return cost
+
+
+def _held_bytes(p: _Priced, prog: pipeline.StageProgram, params: set[int], graph: Graph,
+                update: StateSplit | None) -> float:
+    """Bytes per device a layer solution keeps of its parameters, their gradients and
+    optimizer state (what a memory price charges)."""
+    return sum(_memory_charge_s(1.0, update, graph.values[vid].nbytes, p.mesh.shards(spec))
+               for vid, spec in zip(prog.inputs, p.input_specs) if vid in params)
 
 
 def _memory_charge_s(memory_price: float, update: StateSplit | None, nbytes: float,
@@ -537,7 +555,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     def start_layer(layer: int, submesh: tuple[int, int], level: int = 0
                     ) -> tuple[str, tuple[int, int], int]:
         """Builds the layer's ILPs on `submesh` at trade-off `level` (0 time-optimal,
-        1.. `MEMORY_PRICES`, `LEAN` parameters cut as finely as they go) and hands them to
+        1.. `KNEE_FRACTIONS`, `LEAN` parameters cut as finely as they go) and hands them to
         the pool, once per distinct layer program, sub-mesh and level; returns the cache
         key."""
         if layer not in program_keys:
@@ -562,7 +580,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                 shapes=fixed_shape, remat=split.remat,
                 num_micro_batches=method.num_micro_batches, layer=traced,
                 submit=pool.submit, lean=level == LEAN,
-                memory_price=(MEMORY_PRICES[level - 1] / cluster.memory_bandwidth_bytes_per_s
+                memory_price=(KNEE_FRACTIONS[level - 1] * knee_of(submesh)
                               if 0 < level < LEAN else 0.0),
                 builds=builds, **layer_kw)
         return key
@@ -641,10 +659,30 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         one does (time-optimal, then each memory price, then lean)."""
         whole = i == 0 and j == lay.num_layers - 1 and submesh[0] * submesh[1] == n
         for level in range(LEAN + 1):
+            if 0 < level < LEAN and knee_of(submesh) is None:
+                continue    # no layer trades time for memory here: nothing in between
             best = fitting(stage_options(i, j, submesh, level), in_flight, whole)
             if best is not None:
                 return best
         return None
+
+    knees: dict[tuple[int, int], float | None] = {}
+
+    def knee_of(submesh: tuple[int, int]) -> float | None:
+        """`knee_price` of the layers' time-optimal and lean solutions on `submesh` (every
+        logical shape both have); solves the lean ones first if they are not yet."""
+        if submesh not in knees:
+            update = splits[modes[0]]
+            pairs = []
+            for layer in range(lay.num_layers):
+                fast, lean = layer_options(layer, submesh), layer_options(layer, submesh, LEAN)
+                prog = layer_programs[layer]
+                for shape in fast.keys() & lean.keys():
+                    f, m = fast[shape], lean[shape]
+                    pairs.append((f.cost_s, _held_bytes(f, prog, params, graph, update),
+                                  m.cost_s, _held_bytes(m, prog, params, graph, update)))
+            knees[submesh] = knee_price(pairs)
+        return knees[submesh]
 
     range_costs: dict[tuple[int, int, tuple[int, int]], float | None] = {}
 

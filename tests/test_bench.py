@@ -167,6 +167,21 @@ def test_memory_priced_layer_solves_sit_between_the_two_ends(toy_pricer):
         assert fast.cost_s * (1 - 1e-9) <= p.cost_s
 
 
+def test_knee_price_is_the_median_rate_of_time_for_bytes():
+    """The memory-priced levels' prices come from the layers' own trade-off: the median
+    over (time-optimal, lean) solution pairs of the seconds the lean one adds per byte it
+    saves; pairs that trade nothing (lean no slower, or no smaller) do not count."""
+    from autopar.pipeline_planner import knee_price
+
+    pairs = [(1.0, 100.0, 2.0, 50.0),    # 1 s for 50 B: 0.02 s/B
+             (1.0, 100.0, 1.5, 0.0),     # 0.005 s/B
+             (1.0, 100.0, 5.0, 20.0),    # 0.05 s/B
+             (1.0, 100.0, 1.0, 10.0),    # lean no slower: no trade
+             (1.0, 10.0, 3.0, 10.0)]     # lean no smaller: no trade
+    assert knee_price(pairs) == pytest.approx(0.02)
+    assert knee_price(pairs[3:]) is None and knee_price([]) is None
+
+
 def test_fixed_3d_layout_splits_the_batch_over_dp_only():
     """A (dp, tp) stage of Manual3DParallel (`forced_batch_axis`): no value of the layer's
     forward+backward splits its batch dim over the tp axis, so tp is tensor parallelism.
