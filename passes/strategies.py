@@ -350,9 +350,27 @@ def follow_pad(info: EqnInfo, lead: int, spec: Spec, mesh: MeshContext) -> Follo
 
 
 def follow_top_k(info: EqnInfo, lead: int, spec: Spec, mesh: MeshContext) -> FollowResult:
-    new, dropped = _drop_axes(spec, [len(spec) - 1])
+    """top_k reads its `axis` (the last dim unless given) whole."""
+    new, dropped = _drop_axes(spec, [info.params.get("axis", -1) % len(spec)])
     cost = _gather_cost(info.in_nbytes[0], spec, dropped, mesh)
     return FollowResult((new, new), (new,), cost)
+
+
+def follow_split(info: EqnInfo, lead: int, spec: Spec, mesh: MeshContext) -> FollowResult:
+    """`split` (jnp.split, e.g. a fused qkv projection cut in three): every piece keeps the
+    operand's layout on the other dims.  A split of `axis` itself stays when every piece
+    divides evenly by its shard count — piece blocks do not sit where the operand's blocks
+    do, so XLA moves them with collective-permutes, priced as an all-to-all of the operand —
+    else that dim is gathered whole first."""
+    axis = info.params["axis"]
+    n = mesh.dim_shards(spec[axis])
+    if spec[axis] and all(int(size) % n == 0 for size in info.params["sizes"]):
+        others = mesh.shards(spec) // n
+        cost = mesh.all_to_all_s(info.in_nbytes[lead] / max(others, 1), spec[axis])
+        return FollowResult((spec,) * len(info.out_shapes), (spec,), cost)
+    new, dropped = _drop_axes(spec, [axis])
+    cost = _gather_cost(info.in_nbytes[lead], spec, dropped, mesh)
+    return FollowResult((new,) * len(info.out_shapes), (new,), cost)
 
 
 def follow_sort(info: EqnInfo, lead: int, spec: Spec, mesh: MeshContext) -> FollowResult:
@@ -377,12 +395,22 @@ class Slot:
     """A group of tensor dims that one mesh axis splits together.
 
     `dims` lists (tensor, dim) pairs, tensor 0 being the output and 1.. the operands;
-    `partial` marks contracting slots, whose split leaves partial sums in the output.
+    `partial` marks contracting slots, whose split leaves partial sums in the output;
+    `groups`, when set, must be divisible by the slot's shard count, so that every device's
+    block holds whole groups (a grouped convolution's feature or batch groups).
     """
 
     label: str
     dims: tuple[tuple[int, int], ...]
     partial: bool = False
+    groups: int = 0
+
+
+def _whole_groups(slots: Sequence[Slot], axes: Sequence[str], assign: Sequence[int | None],
+                  mesh: MeshContext) -> bool:
+    """Whether every grouped slot's shard count under `assign` divides its `groups`."""
+    return all(slot.groups % mesh.dim_shards([a for a, si in zip(axes, assign) if si == k]) == 0
+               for k, slot in enumerate(slots) if slot.groups)
 
 
 def slot_strategies(info: EqnInfo, mesh: MeshContext, slots: Sequence[Slot],
@@ -406,6 +434,8 @@ def slot_strategies(info: EqnInfo, mesh: MeshContext, slots: Sequence[Slot],
                 partial.append(axis)
         specs = [tuple(tuple(a) for a in t) for t in dims]
         if not all(mesh.divides(s, spec) for s, spec in zip(shapes, specs)):
+            continue
+        if not _whole_groups(slots, axes, assign, mesh):
             continue
         used = [a for a, si in zip(axes, assign) if si is not None]
         comp = layout_compute_s(info, mesh.dim_shards(used), specs, mesh)
@@ -443,16 +473,49 @@ def enumerate_dot(info: EqnInfo, mesh: MeshContext) -> list[Strategy]:
     return slot_strategies(info, mesh, slots, "dot")
 
 
-def enumerate_conv(info: EqnInfo, mesh: MeshContext) -> list[Strategy]:
-    """Batch, output-feature and input-feature (partial sums) splits; spatial dims whole."""
+def _conv_slots(info: EqnInfo) -> list[Slot] | None:
+    """The slots of a convolution (spatial dims whole), None where only replicated runs
+    without communication.
+
+    - plain: batch, output features, input features (partial sums);
+    - feature groups (`feature_group_count` G > 1: lhs feature block g meets rhs output
+      block g): the batch, and the groups — lhs features, rhs and output features together,
+      whole groups per device.  Only depthwise (one input feature per group): XLA's SPMD
+      partitioner gathers the whole lhs of any other grouped convolution for either split;
+    - batch groups (`batch_group_count` B > 1, the weight gradient of a grouped convolution:
+      lhs batch block g meets rhs output block g): the groups — lhs batch, rhs and output
+      features together, whole groups per device — and the lhs features (partial sums).
+    """
     p = info.params
-    if p.get("feature_group_count", 1) != 1 or p.get("batch_group_count", 1) != 1:
-        return [replicated_strategy(info, mesh)]
     dn = p["dimension_numbers"]
-    slots = [Slot("batch", ((0, dn.out_spec[0]), (1, dn.lhs_spec[0]))),
-             Slot("cout", ((0, dn.out_spec[1]), (2, dn.rhs_spec[0]))),
-             Slot("cin", ((1, dn.lhs_spec[1]), (2, dn.rhs_spec[1])), partial=True)]
-    return slot_strategies(info, mesh, slots, "conv")
+    fgc, bgc = p.get("feature_group_count", 1), p.get("batch_group_count", 1)
+    batch = Slot("batch", ((0, dn.out_spec[0]), (1, dn.lhs_spec[0])))
+    cout = ((0, dn.out_spec[1]), (2, dn.rhs_spec[0]))
+    cin = Slot("cin", ((1, dn.lhs_spec[1]), (2, dn.rhs_spec[1])), partial=True)
+    if bgc > 1:
+        return [Slot("group", cout + ((1, dn.lhs_spec[0]),), groups=bgc), cin]
+    if fgc > 1:
+        if info.in_shapes[1][dn.rhs_spec[1]] != 1:
+            return None
+        return [batch, Slot("group", cout + ((1, dn.lhs_spec[1]),), groups=fgc)]
+    return [batch, Slot("cout", cout), cin]
+
+
+def enumerate_conv(info: EqnInfo, mesh: MeshContext) -> list[Strategy]:
+    """The splits of `_conv_slots` (replicated where it has none).
+
+    XLA (jaxlib 0.10.2) all-reduces the partial sums of a batch-grouped convolution over
+    every device of the mesh: with a mesh axis left unsplit they come out multiplied by its
+    size (tests/test_strategy_coverage.py).  Such a split runs only with every axis split."""
+    slots = _conv_slots(info)
+    if slots is None:
+        return [replicated_strategy(info, mesh)]
+    strategies = slot_strategies(info, mesh, slots, "conv")
+    if info.params.get("batch_group_count", 1) > 1:
+        every = set(mesh.split_axes)
+        strategies = [s for s in strategies if not s.partial_axes
+                      or set().union(*map(mesh.axes_used, s.in_specs)) == every]
+    return strategies
 
 
 def enumerate_gather(info: EqnInfo, mesh: MeshContext) -> list[Strategy]:
@@ -474,13 +537,11 @@ def enumerate_gather(info: EqnInfo, mesh: MeshContext) -> list[Strategy]:
     return slot_strategies(info, mesh, slots, "gather")
 
 
-def enumerate_scatter_add(info: EqnInfo, mesh: MeshContext) -> list[Strategy]:
-    """Scatter-adds (embedding gradients, take_along_axis transposes): split the updates'
-    scatter dims (partial sums, all-reduce) — or, for batching dims, with the operand's
-    matching dim (no partial sums) — and/or a window dim shared by operand and updates."""
+def _scatter_slots(info: EqnInfo, sums: bool) -> list[Slot]:
+    """Slots of a scatter: the updates' scatter dims — with the operand's matching dim for
+    batching dims, else (`sums` only: the combiner adds) alone, leaving partial sums — and
+    the window dims shared by operand and updates."""
     dn = info.params["dimension_numbers"]
-    if len(info.in_shapes) != 3:
-        return [replicated_strategy(info, mesh)]
     operand, _, updates = info.in_shapes
     window_upd = tuple(dn.update_window_dims)
     scatter_upd = [d for d in range(len(updates)) if d not in window_upd]
@@ -492,12 +553,29 @@ def enumerate_scatter_add(info: EqnInfo, mesh: MeshContext) -> list[Strategy]:
         if i in batching:
             od = batching[i]
             slots.append(Slot(f"b{d}", ((0, od), (1, od), (2, i), (3, d))))
-        else:
+        elif sums:
             slots.append(Slot(f"s{d}", ((2, i), (3, d)), partial=True))
     slots += [Slot(f"w{od}", ((0, od), (1, od), (3, ud)))
               for ud, od in zip(window_upd, window_operand)
               if updates[ud] == operand[od] and od not in dn.scatter_dims_to_operand_dims]
-    return slot_strategies(info, mesh, slots, "scatter-add")
+    return slots
+
+
+def enumerate_scatter_add(info: EqnInfo, mesh: MeshContext) -> list[Strategy]:
+    """Scatter-adds (embedding gradients, take_along_axis transposes): `_scatter_slots`,
+    the updates' scatter dims split too (partial sums, all-reduce)."""
+    if len(info.in_shapes) != 3:
+        return [replicated_strategy(info, mesh)]
+    return slot_strategies(info, mesh, _scatter_slots(info, sums=True), "scatter-add")
+
+
+def enumerate_scatter(info: EqnInfo, mesh: MeshContext) -> list[Strategy]:
+    """Scatters that overwrite (`x.at[i].set(u)`) or combine by mul/min/max: the batching
+    and window splits of `_scatter_slots`; their updates' partial results do not add up, so
+    the other scatter dims stay whole."""
+    if len(info.in_shapes) != 3:
+        return [replicated_strategy(info, mesh)]
+    return slot_strategies(info, mesh, _scatter_slots(info, sums=False), info.eqn.name)
 
 
 def enumerate_outputs(info: EqnInfo, mesh: MeshContext) -> list[Strategy]:
@@ -573,11 +651,14 @@ strategy_rules: dict[str, StrategyRule] = {
     "rev": _follow(follow_unsplit(lambda info: list(info.params["dimensions"])), first_operand),
     "top_k": _follow(follow_top_k, first_operand),
     "sort": _follow(follow_sort),
+    "split": _follow(follow_split, first_operand),
     "dot_general": _enum(enumerate_dot),
     "conv_general_dilated": _enum(enumerate_conv),
     "gather": _enum(enumerate_gather),
     "scatter-add": _enum(enumerate_scatter_add),
     "scatter_add": _enum(enumerate_scatter_add),
+    **{name: _enum(enumerate_scatter)
+       for name in "scatter scatter-mul scatter-min scatter-max".split()},
     "random_bits": _enum(enumerate_outputs),
     "scan": _enum(enumerate_opaque),
     "while": _enum(enumerate_opaque),

@@ -226,6 +226,79 @@ def test_elementwise_follows_through_size_one_broadcasts():
     assert st.follow_elementwise(info, 0, (("x",), ()), MESH_1D).out_specs == ((("x",), ()),)
 
 
+def test_split_keeps_its_operand_layout():
+    """jnp.split of a fused (64, 96) projection in three: a row split carries over for
+    free; a split of the cut axis stays when every piece divides (the pieces' blocks move:
+    an all-to-all, cheaper than gathering) and is gathered when one does not."""
+    info = _info(lambda x: jnp.split(x, 3, axis=1), jnp.ones((64, 96)))
+    assert info.eqn.name == "split"
+    rows = st.follow_split(info, 0, (("x",), ()), MESH_1D)
+    assert rows.out_specs == ((("x",), ()),) * 3 and rows.comm_s == 0
+    cols = st.follow_split(info, 0, ((), ("x",)), MESH_1D)
+    assert cols.out_specs == (((), ("x",)),) * 3
+    gather = MESH_1D.all_gather_s(64 * 96 * 4, ("x",))
+    assert 0 < cols.comm_s < gather
+    info = _info(lambda x: jnp.split(x, [2, 60], axis=1), jnp.ones((64, 96)))
+    uneven = st.follow_split(info, 0, (("x",), ("y",)), MESH_2D)   # a piece of 2, 4 ways
+    assert uneven.out_specs == ((("x",), ()),) * 3 and uneven.in_specs == ((("x",), ()),)
+    assert uneven.comm_s == pytest.approx(MESH_2D.all_gather_s(64 * 96 * 4 / 2, ("y",)))
+
+
+def test_top_k_keeps_its_axis_whole():
+    info = _info(lambda x: jax.lax.top_k(x, 2, axis=0), jnp.ones((16, 8)))
+    res = st.follow_top_k(info, 0, (("x",), ("y",)), MESH_2D)
+    assert res.out_specs == (((), ("y",)),) * 2 and res.comm_s > 0
+
+
+def _conv_info(x_shape, w_shape, groups: int, weight_grad: bool = False) -> st.EqnInfo:
+    conv = lambda x, w: jax.lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        feature_group_count=groups)
+    if not weight_grad:
+        return _info(conv, jnp.ones(x_shape), jnp.ones(w_shape))
+    out_shape = x_shape[:3] + (w_shape[3],)
+    wgrad = lambda x, ct: jax.vjp(lambda w: conv(x, w), jnp.zeros(w_shape))[1](ct)[0]
+    return _info(wgrad, jnp.ones(x_shape), jnp.ones(out_shape), eqn_index=-1)
+
+
+def _strategy_names(info: st.EqnInfo, mesh: MeshContext) -> set[str]:
+    return {s.name for s in st.enumerate_conv(info, mesh)}
+
+
+def test_grouped_conv_strategies():
+    """Depthwise convolutions split the batch or whole groups; their weight gradients
+    (batch-grouped) split whole groups or the batch (partial sums, only with every mesh
+    axis split: XLA sums them over the whole mesh); other grouped convolutions replicate
+    (XLA gathers them whole).  tests/test_strategy_coverage.py runs each on devices."""
+    depthwise = _conv_info((16, 6, 6, 8), (3, 3, 1, 8), groups=8)
+    names = _strategy_names(depthwise, MESH_2D)
+    assert {"conv batch@x group@y", "conv group@x group@y", "conv group@x batch@y"} <= names
+    assert not any("cin" in n for n in names)
+    assert all(s.comm_s == 0 for s in st.enumerate_conv(depthwise, MESH_2D))
+    assert _strategy_names(_conv_info((16, 6, 6, 8), (3, 3, 2, 16), groups=4),
+                           MESH_2D) == {"replicated"}
+    wgrad = _conv_info((16, 6, 6, 8), (3, 3, 1, 8), groups=8, weight_grad=True)
+    assert wgrad.params["batch_group_count"] == 8
+    names = _strategy_names(wgrad, MESH_2D)
+    assert {"conv group@x group@y", "conv cin@x group@y allreduce",
+            "conv cin@x cin@y allreduce"} <= names
+    assert "conv cin@x allreduce" not in names and "conv cin@x allreduce" in _strategy_names(
+        wgrad, MESH_1D)
+    # Two groups cannot be cut four ways.
+    two = _conv_info((16, 6, 6, 8), (3, 3, 4, 8), groups=2, weight_grad=True)
+    assert not any("group@y" in n for n in _strategy_names(two, MESH_2D))
+
+
+def test_scatter_set_has_no_partial_sums():
+    rows = jnp.array([1, 5])
+    info = _info(lambda h, u: h.at[rows].set(u), jnp.ones((8, 16)), jnp.ones((2, 16)),
+                 eqn_index=-1)
+    assert info.eqn.name == "scatter"
+    strategies = st.enumerate_scatter(info, MESH_1D)
+    assert not any(s.partial_axes for s in strategies)
+    assert (((), ("x",)),) in {s.out_specs for s in strategies}   # the window dim
+
+
 def _remat_fb(x):
     f = lambda x: jnp.sin(jnp.exp(x @ x)).sum()
     y, vjp = jax.vjp(jax.checkpoint(f), x)
