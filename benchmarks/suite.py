@@ -365,6 +365,11 @@ def markdown(suite: str, cluster: ClusterSpec, rows: list[dict], wall_s: float,
     head = [f"# Suite `{suite}` on `{cluster.name}`", ""]
     if "meta" in result:
         head += [stamp_markdown(result["meta"]), ""]
+    for key, what in (("audit_meta", "Audit (compiled programs)"),
+                      ("explain_meta", "Why-notes (`benchmarks.explain`, the planner of this "
+                                       "commit re-planning the layouts autopar lost to)")):
+        if key in result:
+            head += [f"{what}: " + stamp_markdown(result[key]), ""]
     if result.get("workload_source"):
         fields = ", ".join(f"{k}={v}" for k, v in result.get("overrides", {}).items())
         head += [f"Workload as Alpa's benchmark trains it ({result['workload_source']}): "

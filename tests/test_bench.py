@@ -300,6 +300,7 @@ def test_suite_writes_markdown_json_and_chart(tmp_path, monkeypatch):
     assert view["method"].startswith("Manual3DParallel(")
     assert "Why: autopar's planner prices this layout" in stem.with_suffix(".md").read_text()
     assert json.loads(stem.with_suffix(".json").read_text())["explain_meta"]["commit"]
+    assert "Why-notes (`benchmarks.explain`" in stem.with_suffix(".md").read_text()
 
 
 def test_explain_maps_hand_written_rows_to_manual_3d():
