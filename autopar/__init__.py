@@ -1,6 +1,7 @@
 """autopar: automatic parallelization of JAX training steps (Alpa-style, on stock JAX)."""
 
 from autopar.cost_model import ClusterSpec
+from autopar.passes.fallbacks import Fallback, FallbackWarning
 from autopar.passes.intra_op import MemoryBudgetError
 
 from . import distributed
@@ -25,6 +26,8 @@ __all__ = [
     "Checkpoints",
     "ClusterSpec",
     "DataParallel",
+    "Fallback",
+    "FallbackWarning",
     "FingerprintError",
     "Manual3DParallel",
     "MemoryBudgetError",

@@ -32,6 +32,7 @@ from . import (
 )
 from .emit import build_mesh, emit, to_pspec
 from .methods import Method, ShardParallel
+from .passes import fallbacks
 from .passes.intra_op import MemoryBudgetError
 from .plan import Plan, PlanError, verify_plan
 from .runtime import PipelineRuntime
@@ -79,6 +80,7 @@ class Traced:
     _step: ParallelizedFunction = dataclasses.field(repr=False)
     _executable: Any = dataclasses.field(default=None, repr=False)
     _layouts: dict[str, list] = dataclasses.field(default_factory=dict, repr=False)
+    _built_fallbacks: list = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def graph(self) -> Graph:
@@ -90,14 +92,28 @@ class Traced:
         """What runs the plan on this process's devices, built on first use: a jitted
         function of the flattened arguments (single mesh) or the `PipelineRuntime`."""
         if self._executable is None:
-            self._executable = self._step._build(self)
+            with fallbacks.collecting() as found:
+                self._executable = self._step._build(self)
+            self._built_fallbacks.extend(found)
         return self._executable
+
+    @property
+    def fallbacks(self) -> tuple[fallbacks.Fallback, ...]:
+        """Every fallback of this step (`autopar.FallbackWarning`): the search's
+        (`plan.solver["fallbacks"]`) and the runtime's while building the executable and
+        lowering it through `lower()`; empty when the programs are the plan."""
+        planned = tuple(fallbacks.Fallback(**f) for f in self.plan.solver.get("fallbacks", []))
+        return planned + tuple(self._built_fallbacks)
 
     def lower(self):
         """JAX's `Lowered` program (`.compile()` gives the compiled executable with
         `as_text()`, `memory_analysis()`, `cost_analysis()`); for pipeline plans, an object
         whose `.compile()` gives every compiled program of the step."""
-        return self.executable.lower(*self.args_info)
+        executable = self.executable
+        with fallbacks.collecting() as found:
+            lowered = executable.lower(*self.args_info)
+        self._built_fallbacks.extend(f for f in found if f not in self._built_fallbacks)
+        return lowered
 
     def input_shardings(self) -> tuple:
         """The `jax.sharding.Sharding` the program expects for every leaf of every dynamic
@@ -362,7 +378,8 @@ class ParallelizedFunction:
                 break
             if plan.value_specs == out.plan.value_specs and plan.in_specs == out.plan.in_specs:
                 break   # a fixed layout (DataParallel, ZeRO): nothing else to try
-            out = dataclasses.replace(out, plan=plan, _executable=None, _layouts={})
+            out = dataclasses.replace(out, plan=plan, _executable=None, _layouts={},
+                                      _built_fallbacks=[])
         raise MemoryBudgetError(budget, min(peaks), tuple(out.plan.mesh_shape))
 
     def _trace_for(self, dynamic: list, static: tuple, positions: list[int], in_tree,
@@ -400,7 +417,11 @@ class ParallelizedFunction:
                 "hit": True, "path": path, "lookup_s": time.perf_counter() - t0}})
         if self.progress and cache.enabled:
             self.progress("plan cache miss: searching")
-        plan = self._search(method, traced, split, fp, cluster, device_ids)
+        with fallbacks.collecting() as found:
+            plan = self._search(method, traced, split, fp, cluster, device_ids)
+        if found:
+            plan = dataclasses.replace(plan, solver={
+                **plan.solver, "fallbacks": [f.to_json() for f in found]})
         stored = cache.store(key, plan, fields)
         if stored is None:
             return plan

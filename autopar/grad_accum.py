@@ -33,6 +33,7 @@ from autopar.interpret import bind
 from autopar.passes.sharding_spec import Spec
 
 from .emit import to_pspec
+from .passes import fallbacks
 
 # Equations that map a sum of parts to the sum of their images.
 _LINEAR_UNARY = frozenset({"convert_element_type", "reshape", "transpose", "copy", "copy_p",
@@ -286,6 +287,9 @@ def _scatter(stack: Any, axes: tuple[str, ...], spec: Spec, mesh: Mesh,
         return jax.shard_map(local, mesh=mesh, in_specs=to_pspec((axes,) + kept),
                              out_specs=to_pspec(out_spec))(stack)
     if any(not set(spec[d]) <= manual for d in dims):
+        fallbacks.report("gradient reduction", f"partial sums {tuple(stack.shape)} over "
+                         f"{list(axes)} summed and laid out as {spec} by XLA's partitioner "
+                         "(not one reduce-scatter: the layout mixes those axes with others)")
         return stack.sum(axis=0)
     # Manual over A only (every dim it scatters onto is split by axes of A alone).
     out_spec = tuple(cut.get(d, ()) for d in range(len(spec)))

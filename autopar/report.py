@@ -175,6 +175,14 @@ def _search_notes(plan: Plan) -> list[str]:
                     else "no plan fits")
             cells.append(f"B={t['num_micro_batches']}{mark}: {what}")
         lines.append("  micro-batches tried    " + ", ".join(cells))
+    found = plan.solver.get("fallbacks", [])
+    if found:
+        lines.append(f"  fallbacks              {len(found)} (autopar.FallbackWarning):")
+        for fb in found[:_SPLIT_LISTED]:
+            where = f" (at {fb['where']})" if fb.get("where") else ""
+            lines.append(f"    {fb['stage']}: {fb['what']}{where}")
+        if len(found) > _SPLIT_LISTED:
+            lines.append(f"    ... {len(found) - _SPLIT_LISTED} more")
     return lines
 
 

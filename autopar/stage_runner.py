@@ -45,6 +45,7 @@ from .grad_accum import (
 )
 from .layer import LayerProgram
 from .microbatch import micro_slice
+from .passes import fallbacks
 from .pipeline import StageProgram, program_for_range
 from .plan import LayerPlan, StagePlan
 
@@ -188,6 +189,9 @@ class StageRunner:
             prog = LayerProgram.build(self.graph, program_for_range(self.graph, *rng),
                                       diff_values, remat=remat)
             if lp is None:
+                fallbacks.report("pipeline stage", "a stage plan without layer plans: its "
+                                 "layers run unconstrained (XLA's partitioner lays them out)",
+                                 f"stage of layers {getattr(self.plan, 'layers', '?')}")
                 out.append(_Layer(prog, None, None))
                 continue
             specs = dict(lp.value_specs)

@@ -29,6 +29,7 @@ import numpy as np
 from autopar.cost_model.units import format_bytes
 from autopar.graph import Graph, Lit, Value, is_numeric
 
+from . import fallbacks
 from . import memory as mem
 from . import strategies as st
 from .sharding_spec import (
@@ -563,7 +564,7 @@ class _ProblemBuilder:
                 self.fixed.update(eqn.outputs)
                 continue
             if rule is None:
-                rule = st.rule_for(eqn.name)
+                rule = st.rule_for(eqn.name, eqn.where())
             info = self.info(eqn)
             lead = rule.leader(info) if rule is not None and rule.kind == "follow" else None
             if rule is not None and rule.kind == "follow" and lead is not None:
@@ -647,8 +648,8 @@ class _ProblemBuilder:
             try:
                 strategies = rule.enumerate(info, self.mesh)
             except Exception as err:  # a rule bug must never break planning
-                st.log.warning("autopar: strategy rule for %r failed (%s) at %s; replicating",
-                               eqn.name, err, eqn.where())
+                fallbacks.report("intra-op", f"the strategy rule for {eqn.name!r} raised "
+                                 f"{type(err).__name__}: {err}; replicated", eqn.where())
         if not strategies:
             strategies = [st.replicated_strategy(info, self.mesh)]
         strategies = _dedupe(strategies)
@@ -830,8 +831,8 @@ def _safe_follow(rule: st.StrategyRule, info: st.EqnInfo, lead: int, spec: Spec,
     try:
         return rule.follow(info, lead, spec, mesh)
     except Exception as err:  # a rule bug must never break planning: replicate
-        st.log.warning("autopar: follow rule for %r failed (%s) at %s; replicating",
-                       info.eqn.name, err, info.eqn.where())
+        fallbacks.report("intra-op", f"the follow rule for {info.eqn.name!r} raised "
+                         f"{type(err).__name__}: {err}; replicated", info.eqn.where())
         rep_in = tuple(replicated(len(s)) for s in info.in_shapes)
         cost = reshard_s(spec, replicated(len(spec)), info.in_nbytes[lead], mesh)
         return st.FollowResult(tuple(replicated(len(s)) for s in info.out_shapes), rep_in, cost)

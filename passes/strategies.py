@@ -25,6 +25,7 @@ from typing import Literal
 from autopar.cost_model import compute
 from autopar.graph import ELEMENTWISE, Eqn
 
+from . import fallbacks
 from .sharding_spec import MeshContext, Spec, enumerate_specs, replicated
 
 log = logging.getLogger("autopar")
@@ -677,13 +678,11 @@ strategy_rules: dict[str, StrategyRule] = {
 SOURCES = frozenset({"iota", "broadcast_in_dim", "random_seed", "random_wrap",
                      "random_unwrap", "random_fold_in", "random_split", "threefry2x32"})
 
-_warned: set[str] = set()
-
-
-def rule_for(name: str) -> StrategyRule | None:
-    """The rule of primitive `name`, or None (replicated) after one warning per name."""
+def rule_for(name: str, where: str = "") -> StrategyRule | None:
+    """The rule of primitive `name`, or None: the equation (at the user's source line
+    `where`) runs replicated, reported as a fallback."""
     rule = strategy_rules.get(name)
-    if rule is None and name not in _warned:
-        _warned.add(name)
-        log.warning("autopar: no sharding rule for primitive %r; it runs replicated", name)
+    if rule is None:
+        fallbacks.report("intra-op", f"no sharding rule for primitive {name!r}: it runs "
+                         "replicated", where)
     return rule
