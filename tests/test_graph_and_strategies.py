@@ -14,6 +14,7 @@ from autopar.cost_model import ClusterSpec
 from autopar.cost_model.compute import compute_time_s
 from autopar.graph import Graph
 from autopar.passes import strategies as st
+from autopar.passes.fallbacks import FallbackWarning
 from autopar.passes.intra_op import run as intra_op_run
 from autopar.passes.sharding_spec import (
     MeshContext,
@@ -340,7 +341,8 @@ def test_shard_parallel_step_recomputes_a_rematerialized_block():
 
 
 def test_unknown_primitive_gets_replicated_rule():
-    assert st.rule_for("some_new_primitive_xyz") is None
+    with pytest.warns(FallbackWarning, match="'some_new_primitive_xyz'"):
+        assert st.rule_for("some_new_primitive_xyz", "model.py:3") is None
 
 
 def test_intra_op_is_never_worse_than_forced_baselines():
