@@ -37,8 +37,11 @@ def _commit() -> str:
     head = _git("rev-parse", "--short", "HEAD")
     if not head:
         return "unknown"
-    # Uncommitted changes to tracked files only (untracked files do not make a tree dirty).
-    changes = _git("status", "--porcelain", "--untracked-files=no")
+    # Uncommitted changes to tracked files only (untracked files do not make a tree dirty),
+    # and not to the results files themselves: a post-pass (audit, explain) rewrites the
+    # page it stamps, and a run of several parts rewrites earlier parts' files.
+    changes = _git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                   ":(exclude)benchmarks/results")
     return f"{head}-dirty" if changes else head
 
 
