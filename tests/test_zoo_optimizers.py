@@ -59,7 +59,7 @@ def test_the_command_line_sets_the_optimizer():
     ("gpt-toy", {"hidden": 128, "vocab": 256, "optimizer": "adafactor"},
      autopar.ShardParallel(time_limit_s=20.0), 1e-4, 5e-5),
     ("wrn-toy", {"optimizer": "sgd-nesterov"}, autopar.Zero2Parallel(min_split_elements=0),
-     2e-3, 5e-5),
+     2e-3, 5e-4),
 ])
 def test_parallel_steps_with_each_optimizer_equal_jit(name, overrides, method, rtol, atol):
     """Two steps under autopar (a searched plan on a cluster whose communication is nearly
@@ -69,9 +69,11 @@ def test_parallel_steps_with_each_optimizer_equal_jit(name, overrides, method, r
       update is normalized by the gradient's RMS, so a zero-initialized leaf (biases,
       LayerNorm offsets) whose gradient is at rounding level still moves by up to
       lr x 1e-3 (its parameter-scale floor) = 1e-5 per step, in a direction set by rounding;
-    * SGD rtol 2e-3, atol 5e-5: lr 0.1 with BatchNorm, whose gradients cancel heavily
-      (toy.py's docstring), turns 1e-7 relative rounding into up to 7e-4 of a kernel entry
-      of 0.017 (1.4e-5) in two steps, measured; the state moves by ~1e-1."""
+    * SGD rtol 2e-3, atol 5e-4: lr 0.1 with BatchNorm, whose gradients cancel heavily
+      (toy.py's docstring), turns 1e-7 relative rounding into visible differences in two
+      steps: on jax 0.10.2 DataParallel's state is 3.4e-4 (max abs) from the single-device
+      step's, and ZeRO-2's the same 3.4e-4 (the batch's reduction order, not the state
+      split; ShardParallel's searched plan 1.6e-5); the state moves by ~1e-1."""
     state = zoo.init_state(name, overrides=overrides)
     batch = zoo.example_batch(name, 16, overrides=overrides)
     step, _ = zoo.train_step_and_args(name, 16, overrides=overrides)
