@@ -98,12 +98,9 @@ def _reduce_sum_axes(eqn: Any, read_specs: Sequence[Spec | None]) -> list[str]:
 
 def _conv_axes(eqn: Any, read_specs: Sequence[Spec | None]) -> list[str]:
     """A convolution sums over the lhs feature dim against the rhs input-feature dim (a
-    kernel's gradient is such a convolution with the batch as that feature dim).  Grouped
-    features (`feature_group_count` > 1) pair each lhs feature block with its own group:
-    a split of that dim is not a plain partial sum, so it is not deferred.  Batch groups
-    group the lhs batch dim and the output features, not the summed dim."""
-    if eqn.params["feature_group_count"] != 1:
-        return []
+    kernel's gradient is such a convolution with the batch as that feature dim).  Batch
+    groups group the lhs batch dim and the output features, not the summed dim (grouped
+    features: not deferred, `defers`)."""
     dn = eqn.params["dimension_numbers"]
     rhs = set(_axes_on(read_specs[1], [dn.rhs_spec[1]]))
     return [a for a in _axes_on(read_specs[0], [dn.lhs_spec[1]]) if a in rhs]
@@ -119,7 +116,10 @@ CONTRACTIONS = {"dot_general": _dot_axes, "conv_general_dilated": _conv_axes,
 
 def defers(eqn: Any) -> bool:
     """Whether the runtime can keep the sum `eqn` computes unreduced (when its operands'
-    layouts split the summed dim): a rule of `CONTRACTIONS` without grouped features."""
+    layouts split the summed dim): a rule of `CONTRACTIONS` without grouped features
+    (`feature_group_count` > 1 pairs each lhs feature block with its own group: a split of
+    that dim is not a plain partial sum).  The runtime (`Deferral.find`) and the planner
+    (`pipeline_planner`) both ask this."""
     return eqn.name in CONTRACTIONS and not (eqn.name == "conv_general_dilated"
                                              and eqn.params["feature_group_count"] != 1)
 
@@ -158,7 +158,7 @@ class Deferral:
             eqn = fb.eqns[k]
             if is_linear(k):
                 linear.add(k)
-            elif k in inside and eqn.name in CONTRACTIONS:
+            elif k in inside and defers(eqn):
                 reads = tuple(operand_specs.get((k, j), value_specs.get(op))
                               if isinstance(op, int) else None
                               for j, op in enumerate(eqn.inputs))

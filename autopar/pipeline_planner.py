@@ -218,9 +218,7 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
         step spends)."""
         if not memory_price:
             return p
-        charge = sum(_memory_charge_s(memory_price, update, graph.values[vid].nbytes,
-                                      p.mesh.shards(spec))
-                     for vid, spec in zip(program.inputs, p.input_specs) if vid in params)
+        charge = memory_price * _held_bytes(p, program, params, graph, update)
         return dataclasses.replace(p, cost_s=p.cost_s - charge)
 
     return lambda: {shape: uncharged(_priced(graph, program, layer, position, per_micro_inputs,
