@@ -53,6 +53,25 @@ def restore_target(step: ParallelizedFunction, *args, argnum: int = 0) -> Any:
         args[argnum], shardings)
 
 
+def _spanning_every_process(state: Any) -> Any:
+    """`state` with each `jax.Array` leaf held by some processes only replaced by a copy
+    replicated over every device of every process (the other leaves as they are)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from . import distributed
+
+    leaves, tree = jax.tree_util.tree_flatten(state)
+    everyone = set(range(jax.process_count()))
+    partial = [k for k, x in enumerate(leaves) if isinstance(x, jax.Array)
+               and {d.process_index for d in x.sharding.device_set} != everyone]
+    if partial:
+        whole = NamedSharding(Mesh(np.array(jax.devices()), ("all",)), PartitionSpec())
+        values = distributed.gather([leaves[k] for k in partial])
+        for k, value in zip(partial, values):
+            leaves[k] = jax.make_array_from_process_local_data(whole, value, value.shape)
+    return jax.tree_util.tree_unflatten(tree, leaves)
+
+
 class Checkpoints:
     """Numbered checkpoints of a training state in one directory (an Orbax
     `CheckpointManager`, available as `.manager`).
@@ -75,6 +94,7 @@ class Checkpoints:
             raise ValueError(f"Checkpoints(save_interval_steps={save_interval_steps}): "
                              f"expected >= 1")
         self.directory = os.path.abspath(os.fspath(directory))
+        self.save_interval_steps = save_interval_steps
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
             enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)
@@ -89,7 +109,16 @@ class Checkpoints:
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
         """Saves `state` (a pytree of arrays, e.g. what a parallelized step returns, with
         leaves on any meshes) as checkpoint `step`; returns whether it wrote (see
-        `save_interval_steps`).  Call it on every process."""
+        `save_interval_steps`).  Call it on every process.
+
+        With several processes, a leaf held by some processes only (a pipeline stage's
+        state on sub-meshes of some hosts, which Orbax cannot write: it writes arrays that
+        span every process) is first copied to every process (`distributed.gather`, through
+        the `jax.distributed` key-value store: meant for states of up to some hundred MB)
+        and saved replicated; it restores into any layout like every other leaf."""
+        if jax.process_count() > 1 and (step % self.save_interval_steps == 0
+                                        or force):
+            state = _spanning_every_process(state)
         return self.manager.save(step, args=ocp.args.StandardSave(state), force=force)
 
     def restore(self, target: Any, step: int | None = None) -> Any:

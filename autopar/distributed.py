@@ -37,7 +37,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, Sharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from .plan import Plan, PlanError
 
@@ -401,22 +401,43 @@ def global_batch(local_batch: Any, shardings: Any, batch_size: int) -> Any:
 
 
 def input_shardings(step, *args) -> tuple:
-    """The sharding the step's plan expects for each argument (a pytree of
-    `NamedSharding`s per non-static argument), for single-mesh plans (ShardParallel,
-    DataParallel, ZeRO).  `args` may be `jax.ShapeDtypeStruct`s.  Create the state in place
-    with `jax.jit(init, out_shardings=state_sharding)()` and the batch with
-    `global_batch(rows, batch_sharding, batch_size)`: nothing is gathered on one host."""
+    """The sharding each argument should have on every process (a pytree of
+    `NamedSharding`s per non-static argument).  `args` may be `jax.ShapeDtypeStruct`s.
+    Create the state in place with `jax.jit(init, out_shardings=state_sharding)()` and the
+    batch with `global_batch(rows, batch_sharding, batch_size)`: nothing is gathered on one
+    host.
+
+    Single-mesh plans (ShardParallel, DataParallel, ZeRO): the plan's own input layouts.
+    Pipeline plans, whose stages hold their parts on sub-meshes that may lie on some
+    processes only: every non-batch argument replicated over the step's devices and every
+    batch leaf (`batch_argnums`) split by rows over them (replicated when its rows do not
+    divide); the first step copies each stage's part onto its sub-mesh, and the state it
+    returns is laid out by stage from then on."""
     from .emit import build_mesh, to_pspec
 
     traced = step.trace(*args)
     plan = traced.plan
-    if plan.stages:
-        raise ValueError(f"input_shardings: the plan of {step.__name__} is a pipeline plan "
-                         f"({len(plan.stages)} stages), whose stages place their own inputs; "
-                         f"it gives shardings for single-mesh plans")
-    mesh = build_mesh(plan, step.devices)
-    leaves = [NamedSharding(mesh, to_pspec(s)) for s in plan.in_specs]
-    return tuple(jax.tree_util.tree_unflatten(traced.in_tree, leaves))
+    if not plan.stages:
+        mesh = build_mesh(plan, step.devices)
+        leaves = [NamedSharding(mesh, to_pspec(s)) for s in plan.in_specs]
+        return tuple(jax.tree_util.tree_unflatten(traced.in_tree, leaves))
+    devices = step._devices()
+    mesh = Mesh(np.array(devices), ("all",))
+    whole = NamedSharding(mesh, PartitionSpec())
+    rows = NamedSharding(mesh, PartitionSpec("all"))
+    out = []
+    for pos, arg in enumerate(args):
+        if pos in step.static_argnums:
+            continue
+        split = pos in step.batch_argnums
+        out.append(jax.tree.map(
+            lambda x, split=split: rows if split and _splits(np.shape(x), len(devices))
+            else whole, arg))
+    return tuple(out)
+
+
+def _splits(shape: tuple[int, ...], n: int) -> bool:
+    return len(shape) >= 1 and shape[0] % n == 0
 
 
 def gather(tree: Any) -> Any:

@@ -287,9 +287,10 @@ def test_global_batch_and_gather_in_one_process():
         dist.global_batch({"x": x[:8]}, sharding, 16)
 
 
-def test_input_shardings_give_the_plan_layouts():
+def test_input_shardings_give_the_plan_layouts_and_pipeline_inputs():
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     import autopar
     import autopar.distributed as dist
@@ -307,5 +308,17 @@ def test_input_shardings_give_the_plan_layouts():
     assert batch_sharding["x"].spec[0] is not None  # data parallel: the batch is split
     pipe = autopar.parallelize(step, method=autopar.PipeshardParallel(num_micro_batches=2,
                                                                       num_stages=2))
-    with pytest.raises(ValueError, match="pipeline plan"):
-        dist.input_shardings(pipe, w, batch)
+    # A pipeline plan: the state replicated and the batch split by rows over all devices
+    # (each stage's part is copied onto its sub-mesh by the first step), and a step called
+    # on arguments so laid out equals the single-device step.
+    w_sharding, batch_sharding = dist.input_shardings(pipe, w, batch)
+    assert len(w_sharding.device_set) == 8 and w_sharding.is_fully_replicated
+    assert batch_sharding["x"].spec == jax.sharding.PartitionSpec("all")
+    w0 = jax.device_put(jnp.ones((8, 4), jnp.float32), w_sharding)
+    x = jnp.arange(16 * 8, dtype=jnp.float32).reshape(16, 8) / 100
+    got = pipe(w0, {"x": jax.device_put(x, batch_sharding["x"])})
+    want = jax.jit(step)(jnp.ones((8, 4), jnp.float32), {"x": x})
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+    odd = {"x": jax.ShapeDtypeStruct((12, 8), jnp.float32)}   # 12 rows on 8 devices
+    assert dist.input_shardings(pipe, w, odd)[1]["x"].is_fully_replicated

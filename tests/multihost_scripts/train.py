@@ -6,7 +6,7 @@ step under an autopar method (shard, dp, zero2, zero3; pipeshard with --micro-ba
                     [--micro-batches 4 --stages 2] [--steps 3] [--kill-rank K --kill-step I]
                     [--wrong-batch-rank K]
 
-The state is created directly in the plan's shardings (`jax.jit(init, out_shardings=...)`;
+The state is created directly in `dist.input_shardings` (`jax.jit(init, out_shardings=...)`;
 pipeline plans: replicated over all devices), each process passes its own rows of every
 global batch (`autopar.distributed.global_batch`),
 and `--methods` gives each rank its method (rank k takes entry k mod the list's length: a
@@ -41,21 +41,6 @@ def make_method(name: str, args):
     if name in ("zero2", "zero3"):
         options["min_split_elements"] = 0  # the test models' leaves are all small
     return METHODS[name](**options)
-
-
-def shardings(step, plan, state_abs, batch_abs):
-    """(state sharding, batch sharding) pytrees: the plan's for single-mesh plans.  For
-    pipeline plans, whose stages place their own inputs, every argument is a global array
-    over all devices: the state replicated, the batch split by rows (dim 0)."""
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    if not plan.stages:
-        return dist.input_shardings(step, state_abs, batch_abs)
-    mesh = Mesh(np.array(jax.devices()), ("all",))
-    return (jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), state_abs),
-            jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec("all")), batch_abs))
 
 
 def main() -> int:
@@ -96,7 +81,7 @@ def main() -> int:
     print(f"started in {time.perf_counter() - t0:.1f} s", flush=True)
     plan = step.get_plan(state_abs, batch_abs)
     print(f"planned at {time.perf_counter() - t0:.1f} s", flush=True)
-    state_sharding, batch_sharding = shardings(step, plan, state_abs, batch_abs)
+    state_sharding, batch_sharding = dist.input_shardings(step, state_abs, batch_abs)
     state = jax.jit(lambda: case.init()[0], out_shardings=state_sharding)()
     batch_size = jax.tree.leaves(first)[0].shape[0]
     jax.block_until_ready(state)
