@@ -1110,8 +1110,14 @@ def stage_memory_bytes(priced: Sequence[_Priced], programs: Sequence[pipeline.St
 
 
 def _program_key(graph: Graph, prog: pipeline.StageProgram, diff: set[int]) -> str:
-    """Identity of a layer for caching: its equations' text with value ids renumbered, and
-    which inputs carry gradients."""
+    """Identity of a layer for caching: its equations' text with value ids renumbered, the
+    renumbered input at each input position, and which inputs carry gradients.
+
+    A solution is stored by input position (`prog.inputs`, sorted by value id) and applied
+    to every layer with the same key, so the key holds which value each position is: two
+    layers computing the same equations can number their inputs in another order (parameters
+    are numbered in name order, Block_10 before Block_7, so a layer that ends one block and
+    starts the next reads them the other way round)."""
     ren: dict[int, int] = {}
 
     def name(v):
@@ -1124,6 +1130,7 @@ def _program_key(graph: Graph, prog: pipeline.StageProgram, diff: set[int]) -> s
         outs = [f"{name(o)}:{graph.values[o].shape}" for o in e.outputs]
         lines.append(f"{outs}={e.name}{sorted(e.params.items())!r}{ins}")
     lines.append(str([name(o) for o in prog.outputs]))
+    lines.append(str([name(v) for v in prog.inputs]))
     lines.append(str([v in diff for v in prog.inputs]))
     return "\n".join(lines)
 

@@ -206,3 +206,29 @@ def test_stage_search_is_no_slower_than_any_pipeline_of_equal_sub_meshes():
         forced = autopar.plan(step, *args, cluster=cluster, method=autopar.PipeshardParallel(
             submesh_shapes=(submesh,) * count, **kw))
         assert auto.predicted.step_s <= forced.predicted.step_s * (1 + 1e-9), submesh
+
+
+def test_layer_reuse_key_holds_which_value_each_input_position_is():
+    """Layer solutions are stored by input position and reused for every layer with the
+    same key: two layers with the same equations that read their parameters in the other
+    id order (Block_10's parameters are numbered before Block_7's) must not share one.
+    Layer 1 reads w0 then w1 (ids in that order), layer 2 reads w3 then w2, layer 3 reads
+    w4 then w5: layers 1 and 3 are the same program, layer 2 is not."""
+    import jax.numpy as jnp
+
+    from autopar.graph import Graph
+    from autopar.pipeline import program_for_range
+    from autopar.pipeline_planner import _program_key
+
+    def f(w, x):
+        for first, second in ((0, 1), (3, 2), (4, 5)):
+            x = jnp.tanh(jnp.tanh(x @ w[first]) @ w[second])
+        return x.sum()
+
+    w = [jax.ShapeDtypeStruct((16, 16), jnp.float32)] * 6
+    graph = Graph.from_jaxpr(jax.make_jaxpr(f)(w, jax.ShapeDtypeStruct((4, 16), jnp.float32)))
+    assert [e.name for e in graph.eqns[:4]] == ["dot_general", "tanh"] * 2
+    layers = [program_for_range(graph, 4 * k, 4 * k + 4) for k in range(3)]
+    keys = [_program_key(graph, prog, set()) for prog in layers]
+    assert keys[0] == keys[2]
+    assert keys[1] != keys[0]
