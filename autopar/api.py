@@ -32,7 +32,7 @@ from . import (
 )
 from .emit import build_mesh, emit, to_pspec
 from .methods import Method, ShardParallel
-from .passes import fallbacks
+from .passes import fallbacks, inter_op
 from .passes.intra_op import MemoryBudgetError
 from .plan import Plan, PlanError, verify_plan
 from .runtime import PipelineRuntime
@@ -344,7 +344,7 @@ class ParallelizedFunction:
         plan = distributed.one_plan(fp, devices, search, check, fixed)
         out = Traced(program, plan, split, traced.out_tree, in_tree, traced.args_info,
                      _trace=traced, _positions=positions, _trace_static=static, _step=self)
-        if (fixed is None and devices is not None and not plan.stages
+        if (fixed is None and devices is not None
                 and self.method.memory_budget_bytes is not None
                 and not distributed.spans_processes(devices)):
             out = self._fit_compiled_memory(out, fp, cluster, device_ids)
@@ -352,16 +352,18 @@ class ParallelizedFunction:
 
     def _fit_compiled_memory(self, out: Traced, fp: str, cluster: ClusterSpec,
                              device_ids: list[int]) -> Traced:
-        """A budgeted single-mesh plan, checked against the program XLA builds: its compiled
-        peak per device (`memory_analysis()`: argument + output − alias + temp) must fit
-        `memory_budget_bytes`.  Over it, the search runs again under a cap tightened by the
-        overshoot (the memory model's error on this program), at most `_BUDGET_ROUNDS`
-        times; `MemoryBudgetError` if no searched plan compiles within the budget.  The
-        compiled peaks go into `plan.solver["compiled_memory"]`."""
+        """A budgeted plan, checked against the programs XLA builds: its compiled peak per
+        device (`memory_analysis()`: argument + output − alias + temp; for a pipeline the
+        largest stage's, `PipelineCompiled.stage_memory_bytes`: its backward or one-program
+        step, the other micro-batches' residuals in flight and the optimizer state of its
+        apply segments) must fit `memory_budget_bytes`.  Over it, the search runs again
+        under a cap tightened by the overshoot (the memory model's error on this program),
+        at most `_BUDGET_ROUNDS` times; `MemoryBudgetError` if no searched plan compiles
+        within the budget.  The compiled peaks go into `plan.solver["compiled_memory"]`."""
         budget = float(self.method.memory_budget_bytes)
         cap, peaks = budget, []
         for _ in range(_BUDGET_ROUNDS):
-            peak = float(hlo_audit.MemoryUsage.of(out.lower().compile()).total_bytes)
+            peak = _compiled_peak_bytes(out)
             peaks.append(peak)
             if peak <= budget:
                 record = {"budget_bytes": budget, "compiled_bytes": peaks, "cap_bytes": cap}
@@ -373,11 +375,13 @@ class ParallelizedFunction:
                               f"{format_bytes(budget)}: searching under {format_bytes(cap)}")
             method = dataclasses.replace(self.method, memory_budget_bytes=cap)
             try:
-                plan = self._search_cached(method, out._trace, None, fp, cluster, device_ids)
-            except MemoryBudgetError:
+                plan = self._search_cached(method, out._trace, out.split, fp, cluster,
+                                           device_ids)
+            except (MemoryBudgetError, inter_op.NoStageLayoutError):
                 break
-            if plan.value_specs == out.plan.value_specs and plan.in_specs == out.plan.in_specs:
-                break   # a fixed layout (DataParallel, ZeRO): nothing else to try
+            if (plan.value_specs == out.plan.value_specs and plan.in_specs == out.plan.in_specs
+                    and plan.stages == out.plan.stages):
+                break   # the same plan again (a fixed layout: DataParallel, ZeRO)
             out = dataclasses.replace(out, plan=plan, _executable=None, _layouts={},
                                       _built_fallbacks=[])
         raise MemoryBudgetError(budget, min(peaks), tuple(out.plan.mesh_shape))
@@ -473,6 +477,15 @@ def _verify(plan: Plan, program: planner.Program, split: pipeline.SplitStep | No
                     if split is not None else None)
     verify_plan(plan, program.in_shapes, program.out_shapes, value_shapes,
                 max(device_ids) + 1, stage_value_shapes=stage_shapes)
+
+
+def _compiled_peak_bytes(traced: Traced) -> float:
+    """The compiled peak per device of a traced plan's step, bytes: the program's
+    `memory_analysis()` (one mesh) or the largest stage's (pipelines)."""
+    compiled = traced.lower().compile()
+    if traced.plan.stages:
+        return float(max(compiled.stage_memory_bytes()))
+    return float(hlo_audit.MemoryUsage.of(compiled).total_bytes)
 
 
 # Searches `_fit_compiled_memory` may run for a budgeted plan, and the margin it takes

@@ -771,7 +771,10 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     if progress:
         progress(f"stages chosen: {[st.layers for st in stages]}"
                  + (f" (fastest of {len(choices)} assembled)" if len(choices) > 1 else ""))
-    compute = sum(st.predicted_s - st.transfer_s for st in stages)
+    # The busiest stage's work over the step (its micro-batches' forward + backward, its
+    # own collectives included); the rest of the step is the pipeline's fill and drain
+    # bubble and the transfers between stages.
+    compute = micro * max(st.predicted_s - st.transfer_s for st in stages)
     return Plan(
         fingerprint=fp, method=method.name, cluster=cluster.name, mesh_shape=(n,),
         mesh_axes=("x",), device_ids=tuple(device_ids), input_names=tuple(input_names),

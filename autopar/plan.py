@@ -29,8 +29,10 @@ class PredictedCost:
 
     Attributes:
       step_s: seconds per step (compute + communication).
-      compute_s: seconds of computation per device.
-      comm_s: seconds of communication (collectives and resharding).
+      compute_s: seconds of computation per device (pipelines: the busiest stage's
+        micro-batches, forward + backward with its own collectives).
+      comm_s: seconds of communication (collectives and resharding); pipelines: the rest
+        of the step (the fill and drain bubble and the transfers between stages).
       memory_bytes: peak bytes per device.
       flops: floating-point operations of the whole step (all devices).
     """

@@ -125,8 +125,13 @@ def summary(plan: Plan) -> str:
                      f"{p.step_s * 1e3:.3f} ms", mem_of(p.memory_bytes)])
     lines += _table(rows, right={5})
     flops, source = step_flops(plan)
-    lines.append(f"  predicted step time    {p.step_s * 1e3:.3f} ms (compute "
-                 f"{p.compute_s * 1e3:.3f} ms, communication/bubble {p.comm_s * 1e3:.3f} ms)")
+    if plan.stages:   # pipelines: the busiest stage's micro-batches, and the rest
+        lines.append(f"  predicted step time    {p.step_s * 1e3:.3f} ms (busiest stage "
+                     f"{p.compute_s * 1e3:.3f} ms, bubble and transfers "
+                     f"{p.comm_s * 1e3:.3f} ms)")
+    else:
+        lines.append(f"  predicted step time    {p.step_s * 1e3:.3f} ms (compute "
+                     f"{p.compute_s * 1e3:.3f} ms, communication {p.comm_s * 1e3:.3f} ms)")
     if flops > 0 and p.step_s > 0:
         lines.append(f"  TFLOP/s per device     {flops / p.step_s / n / 1e12:.3g} "
                      f"({flops:.3g} FLOPs per step, {source})")

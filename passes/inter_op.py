@@ -44,6 +44,11 @@ _TABLE_FLOATS = 1 << 22
 _FIRST_CHUNK = 16
 
 
+class NoStageLayoutError(ValueError):
+    """No split of the layers into stages on the sub-meshes has a feasible stage for every
+    part (each stage over the memory, or a layer range no sub-mesh can run)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class StageChoice:
     """One pipeline stage: layers (first, last) inclusive, sub-mesh (hosts, devices per host),
@@ -166,7 +171,7 @@ def run(num_layers: int, submeshes: Sequence[tuple[int, int]],
         start += len(tv)
         chunk *= 2
     if not math.isfinite(best):
-        raise ValueError(_infeasible_message(cost, asked, shapes, sizes, D, S))
+        raise NoStageLayoutError(_infeasible_message(cost, asked, shapes, sizes, D, S))
 
     stages = _reconstruct(cost, shapes, sizes, D, S, best_t)
     t_max = max(st.cost_s for st in stages)
