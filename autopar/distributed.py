@@ -12,6 +12,10 @@ processes, and XLA's collectives (NCCL on GPUs, gloo on CPUs) move the data.  au
   Process 0 searches; its plan JSON goes to the others through the distributed key-value
   store; every process checks the plan against its own trace and all of them confirm the
   same (fingerprint, plan hash) before the first step.  Two searches never run two plans.
+  Every wait there follows the heartbeat of the process waited for (a search may take
+  hours while process 0 reports; one that stops reporting is given up on within
+  PLAN_MISSED_HEARTBEATS x PLAN_HEARTBEAT_S), and process 0's search error reaches every
+  process as that error.
 - `global_batch(...)` / `process_rows(...)`: a global batch from each process's rows.
 - `input_shardings(step, *args)`: the shardings a single-mesh plan expects for every
   argument, to create state directly in place (`jax.jit(init, out_shardings=...)`).
@@ -31,6 +35,8 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -46,9 +52,24 @@ from .plan import Plan, PlanError
 INITIALIZATION_TIMEOUT_S = 300
 HEARTBEAT_TIMEOUT_S = 60
 SHUTDOWN_TIMEOUT_S = 300
-# How long a process waits for process 0's plan (the search may take minutes on big models);
-# the environment variable AUTOPAR_PLAN_TIMEOUT_S overrides it.
-PLAN_TIMEOUT_S = 3600.0
+# The plan exchange (`one_plan`) waits as long as the process it waits for is alive and at
+# work, however long the search takes: every process in the exchange rewrites a heartbeat key
+# in the key-value store every PLAN_HEARTBEAT_S seconds (process 0's says how far its search
+# is), and a process waiting for another's value gives up once that process's heartbeat has
+# not changed for PLAN_MISSED_HEARTBEATS intervals (60 s; under `autopar launch`
+# launch.PLAN_MISSED_HEARTBEATS, 20 s; the environment variable AUTOPAR_PLAN_MISSED_HEARTBEATS
+# sets it), or, before its first heartbeat, after the initialization timeout (it never
+# reached the exchange).  AUTOPAR_PLAN_TIMEOUT_S=S instead waits a fixed S seconds for each
+# value, heartbeats ignored.
+PLAN_HEARTBEAT_S = 2.0
+PLAN_MISSED_HEARTBEATS = 30
+# A process whose plan exchange fails (process 0: its search raised) first waits, at most
+# this many seconds, for every other process to leave the exchange, so that they read its
+# error from the key-value store process 0 hosts (which ends when process 0 exits).
+PLAN_ERROR_LINGER_S = 10.0
+# `gather`: how long a process waits for a leaf from a process that holds it, seconds
+# (AUTOPAR_PLAN_TIMEOUT_S, when set, instead).
+GATHER_TIMEOUT_S = 600.0
 _CHUNK_BYTES = 1 << 20  # key-value store values are sent in chunks of at most 1 MiB
 
 
@@ -65,6 +86,8 @@ class LaunchEnv:
         `jax.device_put` (None: not set).
       initialization_timeout_s / heartbeat_timeout_s / shutdown_timeout_s: seconds.
       launcher_pid: the launcher's process id (the process dies with it).
+      plan_missed_heartbeats: heartbeats (PLAN_HEARTBEAT_S apart) the plan exchange may
+        miss from a process before the others give up on it (None: PLAN_MISSED_HEARTBEATS).
     """
 
     coordinator_address: str
@@ -76,6 +99,7 @@ class LaunchEnv:
     heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S
     shutdown_timeout_s: int = SHUTDOWN_TIMEOUT_S
     launcher_pid: int | None = None
+    plan_missed_heartbeats: int | None = None
 
     _VARS = {"coordinator_address": "AUTOPAR_COORDINATOR_ADDRESS",
              "num_processes": "AUTOPAR_NUM_PROCESSES",
@@ -85,7 +109,8 @@ class LaunchEnv:
              "initialization_timeout_s": "AUTOPAR_INITIALIZATION_TIMEOUT_S",
              "heartbeat_timeout_s": "AUTOPAR_HEARTBEAT_TIMEOUT_S",
              "shutdown_timeout_s": "AUTOPAR_SHUTDOWN_TIMEOUT_S",
-             "launcher_pid": "AUTOPAR_LAUNCHER_PID"}
+             "launcher_pid": "AUTOPAR_LAUNCHER_PID",
+             "plan_missed_heartbeats": "AUTOPAR_PLAN_MISSED_HEARTBEATS"}
 
     def to_env(self) -> dict[str, str]:
         return {var: str(getattr(self, field)) for field, var in self._VARS.items()
@@ -164,6 +189,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         shutdown_timeout_s = env.shutdown_timeout_s
         if env.launcher_pid is not None:
             _die_with(env.launcher_pid)
+    global _initialization_timeout_s
+    _initialization_timeout_s = float(initialization_timeout_s)
     # CPU devices dispatch synchronously across processes: with asynchronous dispatch the
     # CPU client's queued executions, gloo collectives and cross-process transfers of a
     # pipeline step deadlocked here in 1 of 4 runs (2 processes x 4 devices, 2 stages,
@@ -248,12 +275,42 @@ def one_plan(fp: str | None, devices: Sequence[jax.Device] | None, search: Calla
     first step.  With `fp` None, process 0's plan decides what is traced (e.g. its
     micro-batch count under num_micro_batches="auto"): the caller traces accordingly and
     checks the plan afterwards.
+
+    Every wait is bounded by the heartbeat of the process waited for (PLAN_HEARTBEAT_S,
+    PLAN_MISSED_HEARTBEATS): a search may take hours while process 0 keeps reporting.  When
+    process 0's search raises, every process raises `PlanError` with that error (process 0
+    waits up to PLAN_ERROR_LINGER_S for them to read it before it raises).
     """
     if not spans_processes(devices):
         return check(fixed) if fixed is not None else search()
     key = f"autopar/plan/{next(_exchange_ids)}"
     rank, count = jax.process_index(), jax.process_count()
     store = _Store()
+    if rank == 0:
+        doing = "searching the plan" if fixed is None else "publishing its plan"
+    else:
+        doing = "waiting for process 0's plan" if fixed is None else "checking its plan"
+    beat = _Heartbeat(store, f"{key}/alive/{rank}", doing)
+    beat.start()
+    try:
+        return _exchange(key, rank, count, store, beat, fp, search, check, fixed)
+    except Exception as err:
+        if rank == 0:   # the others read this error from the store process 0 hosts
+            _linger(store, key, count)
+        else:   # said before `done` lets process 0, and the store, end (and maybe this one)
+            print(f"autopar: process {rank} leaves the plan exchange: {type(err).__name__}: "
+                  f"{err}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        beat.stop()
+        with contextlib.suppress(Exception):
+            store.client.key_value_set(f"{key}/done/{rank}", "1")
+
+
+def _exchange(key: str, rank: int, count: int, store: _Store, beat: _Heartbeat,
+              fp: str | None, search: Callable[[], Plan], check: Callable[[Plan], Plan],
+              fixed: Plan | None) -> Plan:
+    """`one_plan` in a process of several, under the keys `key/...`."""
     try:
         if rank == 0:
             try:
@@ -265,8 +322,8 @@ def one_plan(fp: str | None, devices: Sequence[jax.Device] | None, search: Calla
         elif fixed is not None:
             plan = fixed
         else:
-            sent = store.get(f"{key}/plan", _plan_timeout_s(),
-                             "process 0's plan (process 0 searches it)")
+            sent = store.wait(f"{key}/plan", f"{key}/alive/0", 0,
+                              "process 0's plan (process 0 searches it)")
             if "error" in sent:
                 raise PlanError(f"process 0 could not plan this step: {sent['error']}")
             plan = Plan.from_json(sent["plan"], source="process 0's plan")
@@ -276,6 +333,7 @@ def one_plan(fp: str | None, devices: Sequence[jax.Device] | None, search: Calla
                 f"here, {plan.fingerprint} in process 0's plan): every process must call the "
                 f"step with the same global argument shapes (build batches with "
                 f"autopar.distributed.global_batch)")
+        beat.doing = "checking the plan against its own trace"
         plan = check(plan)
     except Exception as err:
         # Tell the others why, so that they stop at once with this reason (best effort: the
@@ -285,7 +343,8 @@ def one_plan(fp: str | None, devices: Sequence[jax.Device] | None, search: Calla
         raise
     mine = {"fingerprint": plan.fingerprint if fp is None else fp, "plan": plan_hash(plan)}
     store.put(f"{key}/ack/{rank}", mine)
-    acks = {k: store.get(f"{key}/ack/{k}", _plan_timeout_s(), f"process {k}'s plan check")
+    beat.doing = "waiting for the other processes' plan checks"
+    acks = {k: store.wait(f"{key}/ack/{k}", f"{key}/alive/{k}", k, f"process {k}'s plan check")
             for k in range(count) if k != rank}
     bad = {k: a for k, a in acks.items() if a != mine}
     if bad:
@@ -297,10 +356,29 @@ def one_plan(fp: str | None, devices: Sequence[jax.Device] | None, search: Calla
     return plan
 
 
-def _plan_timeout_s() -> float:
+def _linger(store: _Store, key: str, count: int) -> None:
+    """Waits, at most PLAN_ERROR_LINGER_S in all, until every other process has left the
+    exchange `key` (it writes `key/done/<rank>` on leaving)."""
+    deadline = time.monotonic() + PLAN_ERROR_LINGER_S
+    for k in range(1, count):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        with contextlib.suppress(Exception):
+            store.client.blocking_key_value_get(f"{key}/done/{k}", max(1, int(left * 1000)))
+
+
+# Set by `initialize` (JAX's own default when the process joined through
+# `jax.distributed.initialize`): how long a plan exchange waits for a process that has not
+# reached it yet, seconds.
+_initialization_timeout_s = float(INITIALIZATION_TIMEOUT_S)
+
+
+def _fixed_timeout_s() -> float | None:
+    """AUTOPAR_PLAN_TIMEOUT_S in seconds, or None when it is not set."""
     text = os.environ.get("AUTOPAR_PLAN_TIMEOUT_S")
     if text is None:
-        return PLAN_TIMEOUT_S
+        return None
     try:
         value = float(text)
     except ValueError:
@@ -309,6 +387,71 @@ def _plan_timeout_s() -> float:
         raise ValueError(f"AUTOPAR_PLAN_TIMEOUT_S={text!r}: expected a positive number of "
                          f"seconds")
     return value
+
+
+def _missed_heartbeats() -> int:
+    """AUTOPAR_PLAN_MISSED_HEARTBEATS (set by `autopar launch`), or PLAN_MISSED_HEARTBEATS."""
+    text = os.environ.get("AUTOPAR_PLAN_MISSED_HEARTBEATS")
+    if text is None:
+        return PLAN_MISSED_HEARTBEATS
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"AUTOPAR_PLAN_MISSED_HEARTBEATS={text!r}: expected a positive "
+                         f"number of heartbeats")
+    return value
+
+
+class _Heartbeat:
+    """This process's heartbeat in one plan exchange: `key` rewritten every PLAN_HEARTBEAT_S
+    seconds (by a daemon thread) with a count, the seconds since the exchange began and what
+    this process is doing (`doing`; while it searches, where the search is: the innermost
+    autopar function of the calling thread)."""
+
+    def __init__(self, store: _Store, key: str, doing: str):
+        self.store, self.key = store, key
+        self.doing = doing
+        self.count = 0
+        self._t0 = time.monotonic()
+        self._caller = threading.get_ident()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="autopar-plan-heartbeat")
+
+    def start(self) -> None:
+        self.beat()   # at once: the others know this process has arrived
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=PLAN_HEARTBEAT_S + 5.0)
+
+    def beat(self) -> None:
+        self.count += 1
+        doing = self.doing
+        if doing.startswith("searching"):
+            doing += _where(self._caller)
+        value = {"beat": self.count, "s": round(time.monotonic() - self._t0, 1),
+                 "doing": doing}
+        self.store.client.key_value_set(self.key, json.dumps(value), allow_overwrite=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(PLAN_HEARTBEAT_S):
+            with contextlib.suppress(Exception):   # the next beat may go through
+                self.beat()
+
+
+def _where(thread_id: int) -> str:
+    """ ", in <module>.<function> (line N)" for the innermost autopar frame of a thread."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("autopar") and module != __name__:
+            return f", in {module}.{frame.f_code.co_name} (line {frame.f_lineno})"
+        frame = frame.f_back
+    return ""
 
 
 class _Store:
@@ -340,13 +483,78 @@ class _Store:
         ms = max(1, int(timeout_s * 1000))
         try:
             count = int(self.client.blocking_key_value_get(key, ms))
-            return b"".join(self.client.blocking_key_value_get_bytes(f"{key}/{i}", ms)
-                            for i in range(count))
-        except Exception as err:  # the client raises XlaRuntimeError (DEADLINE_EXCEEDED)
+            return self._chunks(key, count, timeout_s)
+        except Exception as err:  # the client raises JaxRuntimeError (DEADLINE_EXCEEDED)
             raise PlanError(f"process {jax.process_index()} waited {timeout_s:g} s for "
                             f"{what} and gave up ({type(err).__name__}: "
                             f"{str(err).splitlines()[0]}); set AUTOPAR_PLAN_TIMEOUT_S to wait "
                             f"longer") from None
+
+    def _chunks(self, key: str, count: int, timeout_s: float) -> bytes:
+        """The `count` chunks of a value whose chunk count is published (they were written
+        before it)."""
+        ms = max(1, int(timeout_s * 1000))
+        return b"".join(self.client.blocking_key_value_get_bytes(f"{key}/{i}", ms)
+                        for i in range(count))
+
+    def wait(self, key: str, alive_key: str, peer: int, what: str) -> dict:
+        """The value under `key`, which process `peer` publishes; `what` names it in errors.
+
+        Waits while `peer`'s heartbeat (`alive_key`, `_Heartbeat`) keeps changing: gives up
+        with `PlanError` when it has not changed for `_missed_heartbeats()` x
+        PLAN_HEARTBEAT_S seconds, or when there is none after the initialization timeout
+        (`peer` never reached the exchange), or when the key-value store is lost.  With
+        AUTOPAR_PLAN_TIMEOUT_S set: waits that many seconds, heartbeats ignored."""
+        fixed = _fixed_timeout_s()
+        if fixed is not None:
+            return self.get(key, fixed, what)
+        me = jax.process_index()
+        beats = _missed_heartbeats()
+        stale_s = beats * PLAN_HEARTBEAT_S
+        t0 = time.monotonic()
+        last, changed_at = None, t0
+        while True:
+            try:
+                count = int(self.client.blocking_key_value_get(
+                    key, max(1, int(PLAN_HEARTBEAT_S * 1000))))
+                break
+            except Exception as err:  # JaxRuntimeError: DEADLINE_EXCEEDED, or the store is gone
+                text = str(err)
+                if "DEADLINE_EXCEEDED" not in text:
+                    raise PlanError(
+                        f"process {me} lost the jax.distributed key-value store (hosted by "
+                        f"process 0) after waiting {time.monotonic() - t0:.0f} s for {what} "
+                        f"({type(err).__name__}: {text.splitlines()[0] if text else ''})"
+                    ) from None
+            now = time.monotonic()
+            try:
+                seen = json.loads(self.client.key_value_try_get(alive_key))
+            except Exception:   # NOT_FOUND: no heartbeat yet
+                seen = None
+            if seen is not None and seen != last:
+                last, changed_at = seen, now
+            waited = now - t0
+            if last is None and waited > _initialization_timeout_s:
+                raise PlanError(
+                    f"process {me} waited {waited:.0f} s for {what}, but process {peer} has "
+                    f"not reached this plan exchange (no heartbeat from it within the "
+                    f"initialization timeout, {_initialization_timeout_s:g} s); set "
+                    f"AUTOPAR_PLAN_TIMEOUT_S=<seconds> to wait a fixed time instead")
+            if last is not None and now - changed_at > stale_s:
+                raise PlanError(
+                    f"process {me} waited {waited:.1f} s for {what} and gave up: process "
+                    f"{peer} published no heartbeat for {now - changed_at:.1f} s (the bound: "
+                    f"{beats} x {PLAN_HEARTBEAT_S:g} s; AUTOPAR_PLAN_MISSED_HEARTBEATS). Its "
+                    f"last heartbeat, {last.get('s')} s into the exchange, said: "
+                    f"{last.get('doing')}. Process {peer} is stuck or too busy to report; set "
+                    f"AUTOPAR_PLAN_TIMEOUT_S=<seconds> to wait a fixed time, heartbeats "
+                    f"ignored")
+        try:
+            data = self._chunks(key, count, stale_s)
+        except Exception as err:
+            raise PlanError(f"process {me} could not read {what} from the key-value store "
+                            f"({type(err).__name__}: {str(err).splitlines()[0]})") from None
+        return json.loads(zlib.decompress(data))
 
 
 # ---- global batches and state ---------------------------------------------------------------
@@ -355,11 +563,16 @@ def process_rows(sharding: Sharding, global_shape: Sequence[int]) -> slice:
     """The rows (dim 0) of a global array of `global_shape` that this process passes to
     `global_batch`: the rows its devices hold when the sharding splits dim 0 across
     processes in process order (process k of N: rows k·B/N .. (k+1)·B/N for a batch
-    split over every device), all rows when dim 0 is replicated across processes."""
+    split over every device), all rows when dim 0 is replicated across processes, and none
+    (`slice(0, 0)`) when none of its devices is in the sharding (e.g. a pipeline stage's
+    sub-mesh on other processes): it then holds no part of the array."""
     global_shape = tuple(global_shape)
     if not global_shape:
         return slice(0, 0)
-    rows = [idx[0] for idx in sharding.addressable_devices_indices_map(global_shape).values()]
+    held = sharding.addressable_devices_indices_map(global_shape)
+    if not held:
+        return slice(0, 0)
+    rows = [idx[0] for idx in held.values()]
     spans = sorted({(r.start or 0, global_shape[0] if r.stop is None else r.stop)
                     for r in rows})
     start, stop = spans[0][0], spans[0][1]
@@ -375,7 +588,12 @@ def global_batch(local_batch: Any, shardings: Any, batch_size: int) -> Any:
     this process's rows: `local_batch` holds, for every leaf, rows
     `process_rows(sharding, (batch_size, ...))` of the global batch (`jax.make_array_from
     _process_local_data`).  `shardings` is a pytree of shardings matching `local_batch`
-    (or one sharding for every leaf); `batch_size` is the global batch size (dim 0)."""
+    (or one sharding for every leaf); `batch_size` is the global batch size (dim 0).
+
+    A process none of whose devices is in a leaf's sharding passes 0 rows of it (what
+    `process_rows` gives; the whole batch is accepted too, and not used) and gets an array
+    with no part on this process (`jax.make_array_from_single_device_arrays` of no shards):
+    every process calls `global_batch` alike, the holders' rows make the array."""
     leaves, tree = jax.tree_util.tree_flatten(local_batch)
     if isinstance(shardings, Sharding):
         sh_leaves = [shardings] * len(leaves)
@@ -390,6 +608,17 @@ def global_batch(local_batch: Any, shardings: Any, batch_size: int) -> Any:
             raise ValueError(f"global_batch: leaf batch{path} is a scalar; batch leaves have "
                              f"the batch as dim 0")
         shape = (batch_size, *x.shape[1:])
+        if not sharding.addressable_devices:
+            if x.shape[0] not in (0, batch_size):
+                owners = sorted({d.process_index for d in sharding.device_set})
+                raise ValueError(
+                    f"global_batch: process {jax.process_index()} passed {x.shape[0]} rows of "
+                    f"batch{path}, whose sharding lies on processes {owners} only: this "
+                    f"process holds none of its rows (pass 0 rows: process_rows gives "
+                    f"slice(0, 0))")
+            out.append(jax.make_array_from_single_device_arrays(
+                shape, sharding, [], dtype=jax.dtypes.canonicalize_dtype(x.dtype)))
+            continue
         rows = process_rows(sharding, shape)
         if x.shape[0] != rows.stop - rows.start:
             raise ValueError(
@@ -493,8 +722,8 @@ def _publish(x: jax.Array, holders: set[int], key: str, me: int) -> np.ndarray:
             np.save(buf, value, allow_pickle=False)
             _Store().put_bytes(key, buf.getvalue())
         return value
-    data = _Store().get_bytes(key, _plan_timeout_s(), f"leaf {key} from process "
-                              f"{min(holders)}")
+    timeout_s = _fixed_timeout_s() or GATHER_TIMEOUT_S
+    data = _Store().get_bytes(key, timeout_s, f"leaf {key} from process {min(holders)}")
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 

@@ -30,6 +30,9 @@ from .distributed import LaunchEnv
 INITIALIZATION_TIMEOUT_S = 60
 HEARTBEAT_TIMEOUT_S = 10
 SHUTDOWN_TIMEOUT_S = 60
+# The plan exchange gives up on a process whose heartbeat (every
+# distributed.PLAN_HEARTBEAT_S = 2 s) stopped for this many intervals: 20 s.
+PLAN_MISSED_HEARTBEATS = 10
 TIMEOUT_EXIT_STATUS = 124  # like coreutils `timeout`
 _KILL_WAIT_S = 3.0
 # What a process's last lines say about why JAX's distributed runtime stopped it.
@@ -148,6 +151,7 @@ def launch(command: Sequence[str], num_processes: int, *,
            initialization_timeout_s: int = INITIALIZATION_TIMEOUT_S,
            heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
            shutdown_timeout_s: int = SHUTDOWN_TIMEOUT_S,
+           plan_missed_heartbeats: int | None = None,
            env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,
            echo: TextIO | None = None) -> LaunchResult:
     """Runs `command` as `num_processes` local processes joined by `jax.distributed`.
@@ -162,6 +166,9 @@ def launch(command: Sequence[str], num_processes: int, *,
         before they are killed, seconds (default: the heartbeat timeout + 10).
       initialization_timeout_s / heartbeat_timeout_s / shutdown_timeout_s: passed to
         `jax.distributed.initialize` in every process, seconds.
+      plan_missed_heartbeats: the plan exchange gives up on a process whose heartbeat
+        stopped for this many intervals of `distributed.PLAN_HEARTBEAT_S` (None: the
+        environment's AUTOPAR_PLAN_MISSED_HEARTBEATS, else PLAN_MISSED_HEARTBEATS).
       env: the environment of the processes (default: this one's), before autopar's
         variables are added.
       cwd: their working directory.
@@ -173,9 +180,14 @@ def launch(command: Sequence[str], num_processes: int, *,
         raise ValueError(f"devices_per_process must be positive, got {devices_per_process}")
     if grace_s is None:
         grace_s = heartbeat_timeout_s + 10.0
+    if plan_missed_heartbeats is not None and plan_missed_heartbeats < 1:
+        raise ValueError(f"plan_missed_heartbeats must be positive, got "
+                         f"{plan_missed_heartbeats}")
     ports = free_ports(num_processes + 1)
     base = dict(os.environ if env is None else env)
     base["PYTHONUNBUFFERED"] = "1"
+    if plan_missed_heartbeats is None and "AUTOPAR_PLAN_MISSED_HEARTBEATS" not in base:
+        plan_missed_heartbeats = PLAN_MISSED_HEARTBEATS
     if devices_per_process is not None:
         base["JAX_PLATFORMS"] = "cpu"
     lock = threading.Lock()
@@ -192,7 +204,8 @@ def launch(command: Sequence[str], num_processes: int, *,
             settings = LaunchEnv(f"127.0.0.1:{ports[0]}", num_processes, rank,
                                  devices_per_process, f"127.0.0.1:{ports[rank + 1]}",
                                  initialization_timeout_s, heartbeat_timeout_s,
-                                 shutdown_timeout_s, launcher_pid=os.getpid())
+                                 shutdown_timeout_s, launcher_pid=os.getpid(),
+                                 plan_missed_heartbeats=plan_missed_heartbeats)
             proc = subprocess.Popen(list(command), env={**base, **settings.to_env()}, cwd=cwd,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, start_new_session=True)

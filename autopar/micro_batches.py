@@ -34,6 +34,9 @@ import jax
 
 from autopar.cost_model import ClusterSpec
 
+from .microbatch import MicroBatchError
+from .passes.inter_op import NoStageLayoutError
+from .passes.intra_op import MemoryBudgetError
 from .plan import Plan
 
 if TYPE_CHECKING:
@@ -171,7 +174,8 @@ def search(step: ParallelizedFunction, dynamic: list, static: tuple, positions: 
             traced, split, fp = step._trace_for(dynamic, static, positions, in_tree, count,
                                                 method.pipelined, cluster)
             plan = step._search_cached(method_b, traced, split, fp, cluster, device_ids)
-        except ValueError as err:  # no layout fits (memory), or the batch does not split
+        except (MemoryBudgetError, NoStageLayoutError, MicroBatchError) as err:
+            # no layout fits (memory), or the batch does not split: this count is out
             tries.append(Try(count, None, time.perf_counter() - t0,
                              error=" ".join(str(err).split())[:200]))
             return None

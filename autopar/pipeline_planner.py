@@ -33,6 +33,7 @@ from autopar.cost_model.compute import compute_time_s
 from autopar.cost_model.units import format_bytes
 from autopar.graph import Graph
 from autopar.passes import inter_op, intra_op, layering
+from autopar.passes.inter_op import NoStageLayoutError
 from autopar.passes.sharding_spec import (
     MeshContext,
     Spec,
@@ -46,6 +47,7 @@ from .grad_accum import Deferral, defers, passes_sums, unreduced_spec
 from .layer import LayerProgram, differentiable_values
 from .methods import PipelineMethod
 from .plan import LayerPlan, Plan, PredictedCost, StagePlan
+from .planner import WatchedSubmit, answer
 from .solve_pool import SolvePool
 
 # Layer costs only rank stage layouts: a short solver limit per layer solve (the solver then
@@ -221,9 +223,11 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
         charge = memory_price * _held_bytes(p, program, params, graph, update)
         return dataclasses.replace(p, cost_s=p.cost_s - charge)
 
-    return lambda: {shape: uncharged(_priced(graph, program, layer, position, per_micro_inputs,
-                                             mesh, run.result()))
-                    for shape, mesh, run in pending}
+    return lambda: {shape: uncharged(_priced(
+        graph, program, layer, position, per_micro_inputs, mesh,
+        answer(run, f"the layer ILP ({len(program.eqns)} equations) on sub-mesh {submesh}, "
+                    f"logical mesh {shape}")))
+        for shape, mesh, run in pending}
 
 
 def _batch_dims(fb: Graph, batch_inputs: Sequence[int], batch_size: int
@@ -508,8 +512,9 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     lay = layering.run(graph, layout.layer_num, min_layers=layout.min_layers)
     phases["layering"] = time.perf_counter() - t_phase
     if layout.num_stages is not None and layout.num_stages > lay.num_layers:
-        raise ValueError(f"{type(method).__name__}: {layout.num_stages} stages need at least "
-                         f"as many layers, the forward has {lay.num_layers}")
+        raise NoStageLayoutError(f"{type(method).__name__}: {layout.num_stages} stages need "
+                                 f"at least as many layers, the forward has "
+                                 f"{lay.num_layers}")
     ranges = lay.eqn_ranges()
     layer_programs = pipeline.stage_programs(graph, [a for a, _ in ranges[1:]])
     budget = method.memory_budget_bytes or cluster.memory_bytes
@@ -517,7 +522,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     param_bytes = float(sum(graph.values[v].nbytes for v in params))
     floor = state_floor_bytes(param_bytes, state_bytes_per_param_byte, n)
     if floor > budget:
-        raise ValueError(
+        raise NoStageLayoutError(
             f"no stage layout fits: the parameters ({format_bytes(param_bytes)}), their "
             f"gradients and the optimizer state ({state_bytes_per_param_byte:.3g} bytes per "
             f"parameter byte) need {format_bytes(floor)} per device even split over all "
@@ -546,6 +551,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
 
     started: dict[tuple[str, tuple[int, int], int], Callable[[], dict]] = {}
     pool = SolvePool()
+    submit = WatchedSubmit(pool.submit)   # waits on answers bounded by the pool's progress
     # A layer's memory-priced and lean ILPs are its time-optimal twin with other parameter
     # costs: one build each.
     builds = intra_op.BuildCache()
@@ -577,7 +583,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                 graph, prog, diff, cluster, submesh, forced_batch_axis=layout.batch_axis,
                 shapes=fixed_shape, remat=split.remat,
                 num_micro_batches=method.num_micro_batches, layer=traced,
-                submit=pool.submit, lean=level == LEAN,
+                submit=submit, lean=level == LEAN,
                 memory_price=(KNEE_FRACTIONS[level - 1] * knee_of(submesh)
                               if 0 < level < LEAN else 0.0),
                 builds=builds, **layer_kw)
@@ -755,7 +761,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                                            lambda i, j, s, m=submesh: range_cost(i, j, m),
                                            num_devices=n, num_micro_batches=micro,
                                            num_stages=layout.num_stages)
-                except ValueError:
+                except NoStageLayoutError:
                     continue
                 choices.append([(st.layers, st.submesh) for st in uniform.stages])
             phases["stage DP"] = (result.stats["seconds"] - result.stats["cost_s"]
@@ -1147,7 +1153,8 @@ def _best_split(num_layers: int, shapes: list[tuple[int, int]],
     fits)."""
     k = len(shapes)
     if k > num_layers:
-        raise ValueError(f"{k} sub-meshes given but the forward has only {num_layers} layers")
+        raise NoStageLayoutError(f"{k} sub-meshes given but the forward has only {num_layers} "
+                                 f"layers")
     best, best_cost = None, math.inf
     for cuts in itertools.combinations(range(1, num_layers), k - 1):
         edges = (0, *cuts, num_layers)

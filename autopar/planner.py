@@ -7,8 +7,10 @@ import dataclasses
 import hashlib
 import json
 import re
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 import jax
 
@@ -19,7 +21,7 @@ from autopar.passes.sharding_spec import MeshContext, Spec
 
 from .methods import Method, Role
 from .plan import Plan, PredictedCost
-from .solve_pool import SolvePool
+from .solve_pool import SolvePool, answer_bound_s
 
 # Equations through which a parameter reaches its use unchanged in layout.
 _PASS_THROUGH = frozenset({"convert_element_type", "reshape", "transpose", "broadcast_in_dim",
@@ -105,6 +107,7 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
     started, mirrors = [], {}
     ties = [(out_pos, graph.invars[in_pos]) for out_pos, in_pos in program.ties]
     pool = SolvePool(None if len(shapes) > 1 else 0)
+    submit = WatchedSubmit(pool.submit)
     try:
         for k, shape in enumerate(shapes):
             mesh = MeshContext.build(shape, cluster)
@@ -119,10 +122,10 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
             started.append((mesh, forced, intra_op.start(
                 graph, mesh, forced=forced, ties=ties, memory_budget_bytes=budget,
                 batch_size=program.batch_size, solver=method.solver,
-                time_limit_s=method.time_limit_s, submit=pool.submit)))
+                time_limit_s=method.time_limit_s, submit=submit)))
         for mesh, _, run in started:
             try:
-                results.append(run.result())
+                results.append(answer(run, f"the mesh ILP on logical mesh {mesh.shape}"))
             except intra_op.MemoryBudgetError as err:
                 errors.append(err)
                 continue
@@ -192,3 +195,113 @@ def _with_mirrors(candidates: list[tuple[tuple[int, ...], float]],
 
 def describe_path(path) -> str:
     return jax.tree_util.keystr(path) or "<root>"
+
+
+# ---- bounded waits on the solver pool's answers -----------------------------------------
+
+class SolveTimeoutError(TimeoutError):
+    """The answer to a sharding problem did not come within its bound (`answer_wait_s`)
+    while no other problem of the same search was answered: the solver pool is stuck."""
+
+
+def answer_wait_s(time_limit_s: float) -> float:
+    """Seconds a planner waits for an answer to a problem with this solver time limit
+    while no other problem of its pool is answered: twice the pool's own bound on a worker
+    (`solve_pool.answer_bound_s`), which covers the worker's wait and then the solve in the
+    pool's thread that replaces a worker past its bound."""
+    return 2.0 * answer_bound_s(time_limit_s)
+
+
+class WatchedSubmit:
+    """`submit` (a `SolvePool.submit`) whose futures' `result()` gives up, with
+    `SolveTimeoutError`, once the pool has answered nothing for `bound_s(time limit)`
+    seconds (default `answer_wait_s`; of the longest time limit submitted so far) since
+    this problem was submitted.
+
+    The bound follows the pool's progress rather than each problem's own wait: a problem
+    queued behind many others waits as long as answers keep coming.  One per pool, shared by
+    every problem handed to it.
+    """
+
+    def __init__(self, submit: Callable[..., Future],
+                 bound_s: Callable[[float], float] | None = None):
+        self._submit = submit
+        self._bound_s = bound_s if bound_s is not None else answer_wait_s
+        self._lock = threading.Lock()
+        self._answered_at = time.monotonic()   # when the pool last answered a problem
+        self._longest_limit_s = 0.0
+        self.answers = 0
+
+    def __call__(self, problem, *, time_limit_s: float, backend: str, **options) -> Future:
+        with self._lock:
+            self._longest_limit_s = max(self._longest_limit_s, float(time_limit_s))
+        out = _WatchedFuture(self, getattr(problem, "name", "problem"),
+                             getattr(problem, "num_nodes", None), float(time_limit_s))
+        inner = self._submit(problem, time_limit_s=time_limit_s, backend=backend, **options)
+        inner.add_done_callback(out._take)   # runs at once when `inner` is done already
+        return out
+
+    def _answered(self) -> None:
+        with self._lock:
+            self._answered_at = time.monotonic()
+            self.answers += 1
+
+    def _quiet_since(self, submitted_at: float) -> tuple[float, float]:
+        """(the moment from which silence counts for a problem submitted at
+        `submitted_at`, the bound in seconds)."""
+        with self._lock:
+            return (max(self._answered_at, submitted_at),
+                    self._bound_s(self._longest_limit_s))
+
+
+class _WatchedFuture(Future):
+    """The pool's future, copied over when it completes; `result()` without a timeout is
+    bounded by the pool's progress (`WatchedSubmit`)."""
+
+    def __init__(self, watch: WatchedSubmit, name: str, nodes: int | None,
+                 time_limit_s: float):
+        super().__init__()
+        self._watch, self._name, self._nodes = watch, name, nodes
+        self._time_limit_s = time_limit_s
+        self._submitted_at = time.monotonic()
+
+    def _take(self, inner: Future) -> None:
+        if inner.cancelled():
+            self.cancel()
+            return
+        self._watch._answered()
+        err = inner.exception()
+        if err is not None:
+            self.set_exception(err)
+        else:
+            self.set_result(inner.result())
+
+    def result(self, timeout: float | None = None):
+        if timeout is not None:
+            return super().result(timeout)
+        while True:
+            since, bound = self._watch._quiet_since(self._submitted_at)
+            left = since + bound - time.monotonic()
+            if left <= 0 and not self.done():
+                waited = time.monotonic() - self._submitted_at
+                nodes = "" if self._nodes is None else f" of {self._nodes} nodes"
+                raise SolveTimeoutError(
+                    f"no answer to sharding problem {self._name!r}{nodes} (solver time limit "
+                    f"{self._time_limit_s:g} s) after {waited:.0f} s, and no other problem of "
+                    f"this search was answered in the last {bound:.0f} s "
+                    f"(planner.answer_wait_s: twice solve_pool.answer_bound_s of the longest "
+                    f"time limit, {self._watch._longest_limit_s:g} s): the solver pool is stuck")
+            try:
+                return super().result(timeout=max(left, 0.0))
+            except TimeoutError:
+                if self.done():   # the solve itself raised a TimeoutError
+                    raise
+
+
+def answer(run: intra_op.PendingRun, what: str) -> intra_op.IntraOpResult:
+    """`run.result()`, with `what` (e.g. "the mesh ILP on logical mesh (2, 4)") named when
+    its answer does not come in time (`SolveTimeoutError`)."""
+    try:
+        return run.result()
+    except SolveTimeoutError as err:
+        raise SolveTimeoutError(f"{what}: {err}") from None

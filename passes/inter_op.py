@@ -46,7 +46,9 @@ _FIRST_CHUNK = 16
 
 class NoStageLayoutError(ValueError):
     """No split of the layers into stages on the sub-meshes has a feasible stage for every
-    part (each stage over the memory, or a layer range no sub-mesh can run)."""
+    part (each stage over the memory, or a layer range no sub-mesh can run), or the stage
+    count asked for cannot be formed (more stages than layers, or than the devices hold).
+    A `ValueError`; bad arguments raise plain `ValueError`s."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +130,10 @@ def run(num_layers: int, submeshes: Sequence[tuple[int, int]],
         if isinstance(S, bool) or not isinstance(S, (int, np.integer)) or S < 1:
             raise ValueError(f"num_stages must be None or a positive int, got {S!r}")
         if S > L:
-            raise ValueError(f"num_stages={S} exceeds num_layers={L}: each stage needs a layer")
+            raise NoStageLayoutError(f"num_stages={S} exceeds num_layers={L}: each stage "
+                                     f"needs a layer")
         if S * min(sizes) > D:
-            raise ValueError(
+            raise NoStageLayoutError(
                 f"num_stages={S} needs at least {S * min(sizes)} devices (smallest sub-mesh "
                 f"{shapes[sizes.index(min(sizes))]}), but there are only num_devices={D}")
 

@@ -160,11 +160,19 @@ def test_submesh_shapes():
 
 
 def test_errors():
+    """What cannot be laid out raises `NoStageLayoutError` (callers that try several
+    candidates skip those); bad arguments raise plain `ValueError`s, never read as "does
+    not fit"."""
     shapes = inter_op.submesh_shapes(1, 4)
     ok = lambda i, j, s: 1.0
-    with pytest.raises(ValueError, match="num_stages=5 exceeds num_layers=4"):
+    for bad in (dict(num_micro_batches=0), dict(num_micro_batches=1, num_stages=0)):
+        with pytest.raises(ValueError) as err:
+            inter_op.run(4, shapes, ok, num_devices=4, **bad)
+        assert not isinstance(err.value, inter_op.NoStageLayoutError)
+    with pytest.raises(inter_op.NoStageLayoutError, match="num_stages=5 exceeds num_layers=4"):
         inter_op.run(4, shapes, ok, num_devices=4, num_micro_batches=1, num_stages=5)
-    with pytest.raises(ValueError, match=r"num_stages=3 needs at least 3 devices .* only "
+    with pytest.raises(inter_op.NoStageLayoutError,
+                       match=r"num_stages=3 needs at least 3 devices .* only "
                                          r"num_devices=2"):
         inter_op.run(4, shapes, ok, num_devices=2, num_micro_batches=1, num_stages=3)
     with pytest.raises(ValueError, match="num_micro_batches, got 0"):
@@ -173,7 +181,7 @@ def test_errors():
         inter_op.run(2, shapes, lambda i, j, s: float("nan"), num_devices=4,
                      num_micro_batches=1)
     # layer 2 fits nowhere, whatever it is grouped with
-    with pytest.raises(ValueError, match="layer 2 does not fit on any sub-mesh"):
+    with pytest.raises(inter_op.NoStageLayoutError, match="layer 2 does not fit on any sub-mesh"):
         inter_op.run(4, shapes, lambda i, j, s: None if i <= 2 <= j else 1.0,
                      num_devices=4, num_micro_batches=2)
     # every range fits, but (1, 4) sub-meshes cannot make 6 devices

@@ -111,7 +111,8 @@ def test_pipeline_budget_is_checked_against_the_compiled_programs(monkeypatch):
     (issue 43 item 4).  The test model (MLP, AdamW, 2 stages, 2 micro-batches) compiles
     within its predictions, so a compiled peak over the budget is simulated: the first
     compile read 30% high makes the search run again under a cap tightened by that
-    overshoot; read over the budget every time, the step raises MemoryBudgetError naming the budget."""
+    overshoot; read over the budget every time, the step raises MemoryBudgetError naming
+    the budget."""
     import autopar.api as api
 
     case = make_case("mlp", "adamw")

@@ -105,6 +105,42 @@ def test_an_exception_in_one_process_stops_the_others():
     assert "another process died" in other.describe(), report(result, [0])
 
 
+def test_the_plan_exchange_waits_while_process_0_reports_and_not_longer(tmp_path):
+    # The bound is 3 missed heartbeats (3 x 2 s): process 0's first search takes 10 s with
+    # its heartbeat going (every process gets the plan); in the second its heartbeat stops
+    # after 2 beats, and process 1 gives up ~6 s later, naming process 0 and what it said.
+    result = run_processes(SCRIPTS / "plan_wait.py", "heartbeat", 10, expect_ok=False,
+                           plan_missed_heartbeats=3, grace_s=3.0, timeout_s=180)
+    for k in range(2):
+        took = re.search(rf"rank {k}: plan 1 after ([\d.]+) s", result.output(k))
+        assert took and float(took.group(1)) > 10, report(result)
+    out = result.output(1)
+    assert result.failed_rank == 1 and not result.ranks[1].stopped_by_launcher, report(result)
+    assert re.search(r"PlanError: process 1 waited [\d.]+ s for process 0's plan .*and gave "
+                     r"up: process 0 published no heartbeat for [\d.]+ s \(the bound: 3 x 2 s",
+                     out), report(result, [1])
+    assert re.search(r"Its last heartbeat, [\d.]+ s into the exchange, said: searching the plan, "
+                     r"in autopar\.", out), report(result, [1])
+    ended = float(re.search(r"rank 1: plan 2 ended after ([\d.]+) s", out).group(1))
+    assert 6 < ended < 30, report(result, [1])
+
+
+def test_process_0s_search_error_reaches_every_process(tmp_path):
+    # Process 0's search raises (memory_budget_bytes=1); it waits for process 1 to read the
+    # error before it exits with its key-value store.  Before that, every process builds a
+    # batch on process 0's devices only (process 1 passes process_rows' none).
+    result = run_processes(SCRIPTS / "plan_wait.py", "search-error", expect_ok=False,
+                           timeout_s=180)
+    assert all(not r.ok and not r.stopped_by_launcher for r in result.ranks), report(result)
+    assert "MemoryBudgetError: no plan fits 1 B per device" in result.output(0)
+    assert ("PlanError: process 0 could not plan this step: MemoryBudgetError: no plan fits 1 B "
+            "per device") in result.output(1), report(result, [1])
+    assert "lost the coordinator" not in result.ranks[1].describe(), report(result)
+    for k, (rows, shards) in enumerate([("0:16", 4), ("0:0", 0)]):
+        assert (f"rank {k}: rows {rows} of a batch on process 0's devices, {shards} shards "
+                f"here, gathered equal: True") in result.output(k), report(result, [k])
+
+
 def test_a_process_that_never_arrives_stops_the_others():
     result = run_processes(SCRIPTS / "join.py", "absent", 1, expect_ok=False,
                            initialization_timeout_s=5, timeout_s=120)
@@ -262,6 +298,9 @@ def test_launch_env_round_trips_through_the_environment():
 
     env = LaunchEnv("127.0.0.1:1234", 4, 2, 2, "127.0.0.1:5678", 10, 5, 20, 99)
     assert LaunchEnv.from_env(env.to_env()) == env
+    beats = LaunchEnv("127.0.0.1:1234", 4, 2, plan_missed_heartbeats=3)
+    assert beats.to_env()["AUTOPAR_PLAN_MISSED_HEARTBEATS"] == "3"
+    assert LaunchEnv.from_env(beats.to_env()) == beats
     assert LaunchEnv.from_env({}) is None
     with pytest.raises(ValueError, match="AUTOPAR_PROCESS_ID"):
         LaunchEnv.from_env({"AUTOPAR_NUM_PROCESSES": "2"})
@@ -322,3 +361,108 @@ def test_input_shardings_give_the_plan_layouts_and_pipeline_inputs():
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
     odd = {"x": jax.ShapeDtypeStruct((12, 8), jnp.float32)}   # 12 rows on 8 devices
     assert dist.input_shardings(pipe, w, odd)[1]["x"].is_fully_replicated
+
+
+def test_plan_wait_settings_from_the_environment(monkeypatch):
+    import autopar.distributed as dist
+
+    monkeypatch.delenv("AUTOPAR_PLAN_TIMEOUT_S", raising=False)
+    monkeypatch.delenv("AUTOPAR_PLAN_MISSED_HEARTBEATS", raising=False)
+    assert dist._fixed_timeout_s() is None
+    assert dist._missed_heartbeats() * dist.PLAN_HEARTBEAT_S == 60
+    monkeypatch.setenv("AUTOPAR_PLAN_TIMEOUT_S", "7200")
+    monkeypatch.setenv("AUTOPAR_PLAN_MISSED_HEARTBEATS", "5")
+    assert dist._fixed_timeout_s() == 7200 and dist._missed_heartbeats() == 5
+    monkeypatch.setenv("AUTOPAR_PLAN_MISSED_HEARTBEATS", "0")
+    with pytest.raises(ValueError, match="AUTOPAR_PLAN_MISSED_HEARTBEATS='0'"):
+        dist._missed_heartbeats()
+
+
+def test_process_rows_of_a_sharding_on_other_processes():
+    import autopar.distributed as dist
+
+    class Elsewhere:   # a sharding none of whose devices is on this process
+        def addressable_devices_indices_map(self, shape):
+            return {}
+
+    assert dist.process_rows(Elsewhere(), (16, 3)) == slice(0, 0)
+
+
+# ---- bounded waits on the solver pool's answers ------------------------------------------------
+
+class _StuckPool:
+    """A solver pool that never answers (`SolvePool`'s interface)."""
+
+    def __init__(self, workers=None):
+        self.futures = []
+
+    def submit(self, problem, *, time_limit_s, backend, threads=1):
+        import concurrent.futures
+
+        self.futures.append(concurrent.futures.Future())
+        return self.futures[-1]
+
+    def close(self, cancel=False):
+        for f in self.futures:
+            f.cancel()
+
+
+def test_waits_on_solver_answers_follow_the_pools_progress():
+    import concurrent.futures
+    import threading
+
+    from autopar.planner import SolveTimeoutError, WatchedSubmit
+
+    futures = []
+
+    def submit(problem, *, time_limit_s, backend):
+        futures.append(concurrent.futures.Future())
+        return futures[-1]
+
+    class Problem:
+        name, num_nodes = "stuck", 12
+
+    watch = WatchedSubmit(submit, bound_s=lambda limit: 1.0 + limit)
+    stuck = watch(Problem(), time_limit_s=0.5, backend="auto")
+    other = watch(Problem(), time_limit_s=0.5, backend="auto")
+    threading.Timer(1.0, lambda: futures[1].set_result("answer")).start()
+    t0 = time.monotonic()
+    with pytest.raises(SolveTimeoutError, match=r"no answer to sharding problem 'stuck' of 12 "
+                       r"nodes \(solver time limit 0.5 s\) after \d+ s, and no other .* "
+                       r"in the last 2 s"):
+        stuck.result()
+    took = time.monotonic() - t0
+    assert other.result() == "answer"
+    assert took >= 2.4, took   # the other answer (at 1 s) restarted the 1.5 s bound
+    assert took < 20, took
+    done = watch(Problem(), time_limit_s=0.5, backend="auto")
+    futures[-1].set_exception(ValueError("infeasible"))
+    with pytest.raises(ValueError, match="infeasible"):
+        done.result()
+
+
+@pytest.mark.parametrize("method", ["shard", "pipeshard"])
+def test_a_stuck_solver_pool_ends_the_search_with_a_named_error(method, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    import autopar
+    from autopar import pipeline_planner, planner
+
+    monkeypatch.setattr(planner, "answer_wait_s", lambda limit: 0.5)
+    monkeypatch.setattr(planner, "SolvePool", _StuckPool)
+    monkeypatch.setattr(pipeline_planner, "SolvePool", _StuckPool)
+
+    def step(w, batch):
+        loss, g = autopar.value_and_grad(lambda w: jnp.mean((batch["x"] @ w) ** 2))(w)
+        return w - 0.1 * g, loss
+
+    chosen = (autopar.ShardParallel(time_limit_s=1) if method == "shard" else
+              autopar.PipeshardParallel(num_micro_batches=2, num_stages=2, time_limit_s=1))
+    par = autopar.parallelize(step, method=chosen)
+    w = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+    batch = {"x": jax.ShapeDtypeStruct((16, 8), jnp.float32)}
+    what = ("the mesh ILP on logical mesh" if method == "shard" else
+            r"the layer ILP \(\d+ equations\) on sub-mesh")
+    with pytest.raises(planner.SolveTimeoutError, match=what + r".*the solver pool is stuck"):
+        par.get_plan(w, batch)
