@@ -202,7 +202,7 @@ flop_rules: dict[str, FlopRule] = {
     **{name: _out_elems for name in ELEMENTWISE_ARITHMETIC},
     **{name: _in_elems for name in (
         "reduce_sum reduce_max reduce_min reduce_prod argmax argmin cumsum cumprod cummax "
-        "cumlogsumexp reduce_and reduce_or"
+        "cummin cumlogsumexp reduce_and reduce_or reduce_xor"
     ).split()},
     "sort": _sort_flops,
     "top_k": _sort_flops,

@@ -571,7 +571,7 @@ def enumerate_scatter_add(info: EqnInfo, mesh: MeshContext) -> list[Strategy]:
 
 
 def enumerate_scatter(info: EqnInfo, mesh: MeshContext) -> list[Strategy]:
-    """Scatters that overwrite (`x.at[i].set(u)`) or combine by mul/min/max: the batching
+    """Scatters that overwrite (`x.at[i].set(u)`) or combine by mul/min/max/sub: the batching
     and window splits of `_scatter_slots`; their updates' partial results do not add up, so
     the other scatter dims stay whole."""
     if len(info.in_shapes) != 3:
@@ -659,7 +659,7 @@ strategy_rules: dict[str, StrategyRule] = {
     "scatter-add": _enum(enumerate_scatter_add),
     "scatter_add": _enum(enumerate_scatter_add),
     **{name: _enum(enumerate_scatter)
-       for name in "scatter scatter-mul scatter-min scatter-max".split()},
+       for name in "scatter scatter-mul scatter-min scatter-max scatter-sub".split()},
     "random_bits": _enum(enumerate_outputs),
     "scan": _enum(enumerate_opaque),
     "while": _enum(enumerate_opaque),

@@ -449,3 +449,15 @@ def test_build_cache_reuses_a_build_without_sharing_value_costs():
     assert cache.hits == 4
     assert other.builder.buffers is intra_op.start(graph, MESH_1D, builds=cache,
                                                    **kw).builder.buffers
+
+
+def test_every_scan_and_reduction_with_a_strategy_has_a_flop_rule():
+    """The primitives the strategy table treats as reductions or cumulative scans are
+    priced by their input elements (cummin and reduce_xor had a strategy and no FLOPs)."""
+    from autopar.graph import flop_rules
+
+    names = ("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor "
+             "argmax argmin cumsum cumprod cummax cummin cumlogsumexp").split()
+    assert [n for n in names if n not in flop_rules] == []
+    x = jnp.arange(32, dtype=jnp.float32).reshape(4, 8)
+    assert _graph(lambda x: jax.lax.cummin(x, axis=1), x).total_flops() == 32

@@ -227,13 +227,15 @@ SCATTERS = [
     ("set-column", lambda h: h.at[:, 0].set(0.0), [(8, 6, 16)]),
     ("set-rows", lambda h, u: h.at[_ROWS].set(u), [(8, 8), (2, 8)]),
     ("max-rows", lambda h, u: h.at[_ROWS].max(u), [(8, 8), (2, 8)]),
+    ("subtract-rows", lambda h, u: h.at[_ROWS].subtract(u), [(8, 8), (2, 8)]),
 ]
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
 @pytest.mark.parametrize("name, fun, shapes", SCATTERS, ids=[c[0] for c in SCATTERS])
 def test_scatter_strategies_are_exact_and_priced(name, fun, shapes, mesh_shape):
-    """Each strategy of an overwriting / max scatter, compiled alone: no partial sums."""
+    """Each strategy of an overwriting / max / subtracting scatter, compiled alone: no
+    partial sums."""
     args = [_normal(i, shape) for i, shape in enumerate(shapes)]
     info, operands, run = _last_equation(fun, *args)
     strategies = st.enumerate_scatter(info, MeshContext.build(mesh_shape, CLUSTER))
