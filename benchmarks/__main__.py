@@ -11,9 +11,10 @@ and checks the results against the single-device step (exit status 1 if any diff
 all regenerates every file of benchmarks/results/ this machine can make (each part in a
 fresh process, with the module's documented defaults: the six suites with their audits and
 explanations (`benchmarks.explain`), toy,
-every other benchmark module, the saved plans), skips the GPU-only ones with a note, and
-prints the wall time of each part and in all; --list names the parts, --dry-run prints the
-plan without running it.  The whole run takes hours on 2 cores.
+every other benchmark module, the saved plans, the fuzz over generated models), skips the
+GPU-only ones with a note, and prints the wall time of each part and in all; --list names
+the parts, --dry-run prints the plan without running it.  The whole run takes hours on 2
+cores.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def parts() -> list[Part]:
                     lambda: _iopddl_missing("G", "A", "M", "S")))
     out.append(Part("solver_tb2_settings", (("benchmarks.solver_tb2_settings",),),
                     ("solver_tb2_settings.md", "solver_tb2_settings.json"), _tb2_settings_skip))
+    # Hours on 2 cores (300 generated cases, each under 4 methods): after the rest.
+    out.append(Part("fuzz", (("benchmarks.fuzz",),), ("fuzz.md", "fuzz.json")))
     out.append(Part("gpu_check", (("benchmarks.gpu_check",),), ("gpu-<device kind>.md/.json",),
                     lambda: "GPU-only: run `python -m benchmarks.gpu_check` on a machine "
                             "with one GPU"))

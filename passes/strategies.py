@@ -667,10 +667,11 @@ strategy_rules: dict[str, StrategyRule] = {
     **{name: _follow(follow_window, first_operand) for name in (
         "reduce_window_sum reduce_window_max reduce_window_min reduce_window "
         "select_and_scatter_add select_and_gather_add").split()},
-    # PRNG key plumbing: tiny values, replicated on purpose (no warning).
+    # PRNG key plumbing (tiny values) and autopar's own pipeline cut marker (no operands,
+    # no results): replicated on purpose, no warning.
     **{name: _enum(lambda info, mesh: [replicated_strategy(info, mesh)]) for name in (
         "random_seed random_wrap random_unwrap random_split random_fold_in threefry2x32 "
-        "rng_bit_generator").split()},
+        "rng_bit_generator autopar_pipeline_boundary").split()},
 }
 
 # Primitives whose outputs are computed from their parameters alone; with only fixed
