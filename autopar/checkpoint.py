@@ -94,7 +94,6 @@ class Checkpoints:
             raise ValueError(f"Checkpoints(save_interval_steps={save_interval_steps}): "
                              f"expected >= 1")
         self.directory = os.path.abspath(os.fspath(directory))
-        self.save_interval_steps = save_interval_steps
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
             enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)
@@ -116,8 +115,7 @@ class Checkpoints:
         span every process) is first copied to every process (`distributed.gather`, through
         the `jax.distributed` key-value store: meant for states of up to some hundred MB)
         and saved replicated; it restores into any layout like every other leaf."""
-        if jax.process_count() > 1 and (step % self.save_interval_steps == 0
-                                        or force):
+        if jax.process_count() > 1 and (force or self.manager.should_save(step)):
             state = _spanning_every_process(state)
         return self.manager.save(step, args=ocp.args.StandardSave(state), force=force)
 
