@@ -13,8 +13,11 @@ A layer range's cost on a sub-mesh and logical mesh shape is the sum of its laye
 text share one solve) plus the resharding between its layers; a stage runs all its layers
 on one logical shape, the cheapest.  The stage DP (passes.inter_op) picks stages and
 sub-meshes minimizing Σ t_i + (B − 1)·max t_i, a stage's time including receiving its
-activations and sending their cotangents back.  The plan records every layer's solution
-(`LayerPlan`), which the runtime emits as sharding constraints.
+activations and sending their cotangents back (there priced without layouts, which are not
+known yet: `transfer_s`).  The assembled plan prices every transfer from the sending and
+receiving stages' chosen layouts as the runtime moves it (`passes.transfer_cost`:
+re-layout on the sender, the copy, the cut on the receiver).  The plan records every
+layer's solution (`LayerPlan`), which the runtime emits as sharding constraints.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from autopar.passes.sharding_spec import (
     reshard_s,
     state_split,
 )
+from autopar.passes.transfer_cost import Layout, TransferPrice, price_transfer
 
 from . import pipeline
 from .grad_accum import Deferral, defers, passes_sums, unreduced_spec
@@ -747,10 +751,11 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             phases["layer ILPs"] = result.stats["cost_s"]
             t_phase = time.perf_counter()
             # The DP prices a stage's received activations as if sent by a stage of its own
-            # size (the sender is not known there) and leaves out the per-step moves of
-            # values several stages read; the assembly prices both exactly.  Where stage
-            # sizes differ, the DP's choice can assemble slower than a pipeline of equal
-            # sub-meshes, whose transfers the DP priced exactly: each such pipeline (the
+            # size, without layouts (neither the sender nor the layouts are known there),
+            # and leaves out the per-step moves of values several stages read; the assembly
+            # prices both from the chosen layouts.  Where stage sizes differ, the DP's
+            # choice can assemble slower than a pipeline of equal sub-meshes, whose
+            # transfers the DP priced from the right device counts: each such pipeline (the
             # DP restricted to one sub-mesh shape; the hand-written 3-D plans are of this
             # kind) is assembled too and the fastest kept.
             for submesh in submeshes:
@@ -772,7 +777,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     pool.close()  # waits for solves still queued (their answers are cached)
     t_phase = time.perf_counter()
     assembled = [assemble(c) for c in choices]
-    stages, per_step_s, step_s = min(assembled, key=lambda a: a[2])
+    stages, per_step_s, step_s, transfers = min(assembled, key=lambda a: a[2])
     phases["stage assembly"] = time.perf_counter() - t_phase
     if progress:
         progress(f"stages chosen: {[st.layers for st in stages]}"
@@ -791,17 +796,19 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         solver={"layers": lay.num_layers, "layering": lay.source,
                 "layer_solves": len(layer_cache), "search_s": time.perf_counter() - t0,
                 "phases_s": phases, "per_step_transfer_s": per_step_s,
-                "stage_candidates": len(choices)},
+                "transfers": transfers, "stage_candidates": len(choices)},
         stages=tuple(stages), num_micro_batches=micro, schedule=method.schedule)
 
 
 def _assemble(choice, *, hosts, per_host, device_ids, ranges, graph, diff, params, micro,
               state_bytes_per_param_byte, cluster, fitting_stage, stage_options
-              ) -> tuple[list[StagePlan], float, float]:
+              ) -> tuple[list[StagePlan], float, float, list[dict[str, Any]]]:
     """The plan's stages for `choice` ((first, last) layer, sub-mesh shape) per stage, with
-    their transfers priced: (stages, seconds per step of per-step moves, step seconds)."""
+    their transfers priced from both stages' layouts (`_with_transfers`): (stages, seconds
+    per step of per-step moves, step seconds, the priced transfers)."""
     devices = inter_op.assign_devices([s for _, s in choice], hosts, per_host)
     stages: list[StagePlan] = []
+    layouts: list[StageLayouts] = []
     for (layers, submesh), devs in zip(choice, devices):
         # A stage is its layers' solutions on the cheapest logical mesh that fits; the stage
         # inputs take the specs of the layer reading them first.
@@ -817,6 +824,9 @@ def _assemble(choice, *, hosts, per_host, device_ids, ranges, graph, diff, param
                 if vid in wanted:
                     specs.setdefault(vid, spec)
         mesh = best.priced[0].mesh
+        states = {vid: spec for vid, (spec, _) in state_layouts(
+            best.priced, best.programs, params, graph, best.zero).items()}
+        layouts.append(StageLayouts.of(best.priced, best.programs, states))
         layer_plans = tuple(
             LayerPlan(eqn_range=ranges[k], value_specs=p.value_specs,
                       operand_specs=p.operand_specs, num_values=p.num_values,
@@ -831,12 +841,12 @@ def _assemble(choice, *, hosts, per_host, device_ids, ranges, graph, diff, param
                                             in_flight, state_bytes_per_param_byte, best.zero,
                                             whole_step=len(choice) == 1),
             layer_plans=layer_plans, state_specs=tuple(sorted(
-                (vid, spec) for vid, (spec, _) in state_layouts(
-                    best.priced, best.programs, params, graph, best.zero).items()
+                (vid, spec) for vid, spec in states.items()
                 if vid in wanted and spec != specs.get(vid)))))
-    stages, per_step_s = _with_transfers(stages, graph, diff, params, cluster, per_host)
+    stages, per_step_s, transfers = _with_transfers(stages, layouts, graph, diff, params,
+                                                    cluster, per_host)
     times = [st.predicted_s for st in stages]
-    return stages, per_step_s, sum(times) + (micro - 1) * max(times) + per_step_s
+    return stages, per_step_s, sum(times) + (micro - 1) * max(times) + per_step_s, transfers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -878,8 +888,10 @@ def internal_reshard_s(priced: Sequence[_Priced], programs: Sequence[pipeline.St
 
 
 def transfer_s(nbytes: float, src_devices: int, dst_devices: int, link: Link) -> float:
-    """Seconds to move a value of `nbytes` between two sub-meshes over `link`: the devices
-    move their shares in parallel, as many pairs as the smaller side has devices."""
+    """Seconds to move a value of `nbytes` between two sub-meshes over `link`, its layouts
+    unknown (the stage DP's estimate): the devices move their shares in parallel, as many
+    pairs as the smaller side has devices.  The assembled plan prices each transfer from
+    both layouts instead (`_with_transfers`)."""
     return send_recv_s(nbytes / max(1, min(src_devices, dst_devices)), 2, link)
 
 
@@ -889,35 +901,128 @@ def _stage_link(a: Sequence[int], b: Sequence[int], cluster: ClusterSpec,
     return cluster.intra_host if len(hosts) == 1 else cluster.inter_host
 
 
-def _with_transfers(stages: list[StagePlan], graph: Graph, diff: set[int], params: set[int],
-                    cluster: ClusterSpec, per_host: int) -> tuple[list[StagePlan], float]:
+@dataclasses.dataclass(frozen=True)
+class StageLayouts:
+    """Where a planned stage holds the values it exchanges with other stages, by F value
+    id, on its logical mesh `mesh`: its inputs (the layout of the first layer reading
+    each), the cotangents its backward makes for them (`ct_outs`), its outputs as the
+    producing layer makes them, the layout that layer's backward wants their cotangents in
+    (`ct_ins`), and each parameter's reduced gradient (`states`)."""
+
+    mesh: MeshContext
+    inputs: dict[int, Spec]
+    ct_outs: dict[int, Spec]
+    outputs: dict[int, Spec]
+    ct_ins: dict[int, Spec]
+    states: dict[int, Spec]
+
+    @staticmethod
+    def of(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
+           states: dict[int, Spec]) -> StageLayouts:
+        """A stage of these layer solutions (on one logical mesh), its parameters' reduced
+        gradients in `states`."""
+        inputs: dict[int, Spec] = {}
+        ct_outs: dict[int, Spec] = {}
+        outputs: dict[int, Spec] = {}
+        ct_ins: dict[int, Spec] = {}
+        for p, prog in zip(priced, programs):
+            for vid, spec in zip(prog.inputs, p.input_specs):
+                inputs.setdefault(vid, spec)
+            for vid, ct in zip(prog.inputs, p.ct_out_specs):
+                if ct is not None:
+                    ct_outs.setdefault(vid, ct)
+            outputs.update(zip(prog.outputs, p.output_specs))
+            ct_ins.update((v, c) for v, c in zip(prog.outputs, p.ct_in_specs) if c is not None)
+        return StageLayouts(priced[0].mesh, inputs, ct_outs, outputs, ct_ins, states)
+
+    def at(self, specs: dict[int, Spec], vid: int, ndim: int) -> Layout:
+        """`vid`'s layout in `specs` (one of this stage's tables; replicated if absent)."""
+        return Layout(specs.get(vid, ((),) * ndim), self.mesh)
+
+
+def _with_transfers(stages: list[StagePlan], layouts: Sequence[StageLayouts], graph: Graph,
+                    diff: set[int], params: set[int], cluster: ClusterSpec, per_host: int
+                    ) -> tuple[list[StagePlan], float, list[dict[str, Any]]]:
     """The stages with the seconds per micro-batch of receiving their activations (and
-    sending the cotangents back) added, and the seconds per step of moving values several
-    stages read (a tied embedding) to them and their gradients back."""
+    sending the cotangents back) added (`StagePlan.transfer_s`), the seconds per step of
+    moving values several stages read, and the priced transfers (`price_transfers`)."""
+    per_micro, per_step, records = price_transfers(
+        [pipeline.program_for_range(graph, *st.eqn_range) for st in stages],
+        [st.device_ids for st in stages], layouts, graph, diff, params, cluster, per_host)
+    return ([dataclasses.replace(st, predicted_s=st.predicted_s + t, transfer_s=t)
+             for st, t in zip(stages, per_micro)], per_step, records)
+
+
+def price_transfers(programs: Sequence[pipeline.StageProgram],
+                    devices: Sequence[Sequence[int]], layouts: Sequence[StageLayouts],
+                    graph: Graph, diff: set[int], params: set[int], cluster: ClusterSpec,
+                    per_host: int) -> tuple[list[float], float, list[dict[str, Any]]]:
+    """Per stage (its program, device ids and layouts), the seconds per micro-batch of
+    receiving its activations and sending their cotangents back; the seconds per step of
+    moving values several stages read (a tied embedding) to them and their gradients back;
+    and a record of each transfer priced (`_transfer_record`).  Each is priced from the two
+    stages' layouts as the runtime moves it (`passes.transfer_cost`;
+    `PipelineRuntime._lay_out_transfers`): an activation leaves its producer in the tiling
+    of its first later reader where that reader has as many devices (else as its producing
+    layer made it); its cotangent goes back in the tiling of the activation as the
+    producing layer made it, and is re-laid out there into the layout that layer's
+    backward wants."""
     made_by: dict[int, int] = {}
     reader: dict[int, int] = {}
-    out, per_step = [], 0.0
-    for k, st in enumerate(stages):
-        prog = pipeline.program_for_range(graph, *st.eqn_range)
+    sent: dict[int, Layout] = {}        # an activation as it leaves its producer
+    ct_relaid: set[int] = set()         # cotangents whose re-layout on arrival is priced
+    out, per_step, records = [], 0.0, []
+
+    def priced(what: str, v: int, a: int, b: int, src: Layout, dst: Layout,
+               then: Spec | None = None) -> float:
+        value = graph.values[v]
+        link = _stage_link(devices[a], devices[b], cluster, per_host)
+        price = price_transfer(value.shape, value.nbytes, src, dst, link, then)
+        records.append(_transfer_record(what, v, value.nbytes, a, b, price))
+        return price.total_s
+
+    for k, (prog, here) in enumerate(zip(programs, layouts)):
         seconds = 0.0
         for v in prog.inputs:
-            nbytes = graph.values[v].nbytes
+            ndim = graph.values[v].ndim
             src = made_by.get(v, reader.get(v))
             if src is None:
                 reader[v] = k
                 continue
-            src_devs = stages[src].device_ids
-            link = _stage_link(src_devs, st.device_ids, cluster, per_host)
-            moved = transfer_s(nbytes, len(src_devs), len(st.device_ids), link)
-            back = moved if v in diff and (v in made_by or v in params) else 0.0
+            there = layouts[src]
             if v in made_by:
-                seconds += moved + back
+                made = there.at(there.outputs, v, ndim)
+                seconds += priced("activation", v, src, k, sent.get(v, made),
+                                  here.at(here.inputs, v, ndim))
+                if v not in sent:
+                    same = len(devices[src]) == len(devices[k])
+                    sent[v] = here.at(here.inputs, v, ndim) if same else made
+                if v in diff:
+                    then = there.ct_ins.get(v) if v not in ct_relaid else None
+                    ct_relaid.add(v)
+                    ct = here.at(here.ct_outs if v in here.ct_outs else here.inputs, v, ndim)
+                    seconds += priced("cotangent", v, k, src, ct, made, then)
             else:
-                per_step += moved + back
+                per_step += priced("input", v, src, k, there.at(there.inputs, v, ndim),
+                                   here.at(here.inputs, v, ndim))
+                if v in diff and v in params:
+                    per_step += priced("gradient", v, k, src, here.at(here.states, v, ndim),
+                                       there.at(there.states, v, ndim))
         made_by.update((o, k) for o in prog.outputs)
-        out.append(dataclasses.replace(st, predicted_s=st.predicted_s + seconds,
-                                       transfer_s=seconds))
-    return out, per_step
+        out.append(seconds)
+    return out, per_step, records
+
+
+def _transfer_record(what: str, vid: int, nbytes: int, src: int, dst: int,
+                     price: TransferPrice) -> dict[str, Any]:
+    """One priced transfer as the plan's `solver["transfers"]` lists it (per micro-batch
+    for activations and cotangents, per step for inputs several stages read and their
+    gradients); seconds and bytes: `nbytes` of the whole value, of the re-layout per
+    sending device and of the copy per receiving device."""
+    return {"what": what, "value": vid, "nbytes": nbytes, "from_stage": src, "to_stage": dst,
+            "route": price.route, "relayout_bytes": price.relayout_bytes,
+            "relayout_s": price.relayout_s, "copy_bytes": price.copy_bytes,
+            "copy_s": price.copy_s, "receive_s": price.receive_s, "total_s": price.total_s}
 
 
 def param_layouts(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],

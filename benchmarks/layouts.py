@@ -45,11 +45,13 @@ from autopar.passes.sharding_spec import MeshContext, Spec, replicated, state_sp
 from autopar.pipeline_planner import (
     LAYER_RETRY_TIME_LIMIT_S,
     LAYER_TIME_LIMIT_S,
+    StageLayouts,
     _Priced,
     gather_after_update_s,
     price_stage,
+    price_transfers,
     stage_memory_bytes,
-    transfer_s,
+    state_layouts,
     update_time_s,
 )
 from benchmarks.baselines import megatron_dim
@@ -236,14 +238,16 @@ class Pricer:
                                  f"{len(w.layers)} layers")
             stages = [(layers, (layout.dp, layout.tp))
                       for layers in equal_ranges(len(w.layers), layout.pp)]
-        costs = []
+        costs, layouts = [], []
         for s, (layers, mesh_shape) in enumerate(stages):
             stage_layout = layout if rules is None else dataclasses.replace(
                 layout, params=rules[s])
             costs.append(self._stage(w, stage_layout, layers, tuple(mesh_shape),
                                      in_flight=len(stages) - s,
                                      held=held[s] if held is not None else None))
-        moves, per_step = self._transfers(w, stages)
+            layouts.append(self._stage_layouts(w, stage_layout, layers, tuple(mesh_shape),
+                                               held[s] if held is not None else None))
+        moves, per_step = self._transfers(w, stages, layouts)
         costs = [dataclasses.replace(c, per_micro_s=c.per_micro_s + t)
                  for c, t in zip(costs, moves)]
         b = layout.micro
@@ -252,42 +256,40 @@ class Pricer:
         memory = max(c.memory_bytes for c in costs)
         return Evaluation(layout, step, memory, memory > self.cluster.memory_bytes, tuple(costs))
 
-    def _transfers(self, w: Workload, stages: Sequence[tuple[tuple[int, int], tuple[int, ...]]]
-                   ) -> tuple[list[float], float]:
+    def _transfers(self, w: Workload, stages: Sequence[tuple[tuple[int, int], tuple[int, ...]]],
+                   layouts: Sequence[StageLayouts]) -> tuple[list[float], float]:
         """Seconds per micro-batch each stage spends receiving activations (and sending
         their cotangents back), and seconds per step of moving values several stages read
-        (a tied embedding), priced as the planner prices them (`pipeline_planner.transfer_s`
-        over the link between the stages' devices, numbered in stage order)."""
-        per_host = self.cluster.devices_per_host
+        (a tied embedding), priced as the planner prices them (`pipeline_planner.
+        price_transfers`: from both stages' layouts, over the link between the stages'
+        devices, numbered in stage order)."""
         first, devices = [], 0
         for _, mesh_shape in stages:
             first.append(devices)
             devices += math.prod(mesh_shape)
-        sizes = [math.prod(m) for _, m in stages]
-        made_by: dict[int, int] = {}
-        reader: dict[int, int] = {}
-        out, per_step = [], 0.0
-        for k, (layers, _) in enumerate(stages):
-            prog = pipeline.program_for_range(w.graph, w.layers[layers[0]].eqns[0],
-                                              w.layers[layers[1]].eqns[-1] + 1)
-            seconds = 0.0
-            for v in prog.inputs:
-                src = made_by.get(v, reader.get(v))
-                if src is None:
-                    reader[v] = k
-                    continue
-                hosts = {first[src] // per_host, (first[src] + sizes[src] - 1) // per_host,
-                         first[k] // per_host, (first[k] + sizes[k] - 1) // per_host}
-                link = self.cluster.intra_host if len(hosts) == 1 else self.cluster.inter_host
-                moved = transfer_s(w.graph.values[v].nbytes, sizes[src], sizes[k], link)
-                back = moved if v in w.diff and (v in made_by or v in w.param_ids) else 0.0
-                if v in made_by:
-                    seconds += moved + back
-                else:
-                    per_step += moved + back
-            made_by.update((o, k) for o in prog.outputs)
-            out.append(seconds)
-        return out, per_step
+        programs = [pipeline.program_for_range(w.graph, w.layers[layers[0]].eqns[0],
+                                               w.layers[layers[1]].eqns[-1] + 1)
+                    for layers, _ in stages]
+        ids = [range(f, f + math.prod(m)) for f, (_, m) in zip(first, stages)]
+        moves, per_step, _ = price_transfers(programs, ids, layouts, w.graph, set(w.diff),
+                                             set(w.param_ids), self.cluster,
+                                             self.cluster.devices_per_host)
+        return moves, per_step
+
+    def _stage_layouts(self, w: Workload, layout: Layout, layers: tuple[int, int],
+                       mesh_shape: tuple[int, ...], held: HeldState | None) -> StageLayouts:
+        """Where the stage holds the values it exchanges with other stages: its layers'
+        solutions, each parameter's reduced gradient at the plan's state layout (`held`)
+        or at the layout's (cut over dp for ZeRO-2, as `_stage` prices its update)."""
+        priced = [self.layer(w, k, mesh_shape, layout.params)
+                  for k in range(layers[0], layers[1] + 1)]
+        programs = [w.layers[k] for k in range(layers[0], layers[1] + 1)]
+        split = layout.zero_state and layout.params != "zero3" and mesh_shape[0] > 1
+        states = {v: spec for v, (spec, _) in state_layouts(
+            priced, programs, set(w.param_ids), w.graph, split).items()}
+        if held is not None:
+            states = {v: held[1].get(v, spec) for v, spec in held[0].items()}
+        return StageLayouts.of(priced, programs, states)
 
     def _stage(self, w: Workload, layout: Layout, layers: tuple[int, int],
                mesh_shape: tuple[int, ...], in_flight: int,

@@ -174,8 +174,45 @@ def state_split(spec: Spec, shape: Sequence[int], mesh: MeshContext) -> Spec:
     return tuple(tuple(d) for d in dims)
 
 
+@dataclasses.dataclass(frozen=True)
+class ReshardStep:
+    """One collective of a re-layout, over the mesh axes `axes`.
+
+    Attributes:
+      kind: HLO spelling: "all-gather", "all-to-all" or "collective-permute".
+      nbytes: S as `cost_model.hlo_audit` counts it, per device: an all-gather's result,
+        an all-to-all's group tensor, a permute's sent shard.
+      axes: the logical mesh axes the collective runs over.
+    """
+
+    kind: str
+    nbytes: float
+    axes: tuple[str, ...]
+
+    def seconds(self, mesh: MeshContext) -> float:
+        return _STEP_PRICES[self.kind](mesh, self.nbytes, self.axes)
+
+
+_STEP_PRICES = {
+    "collective-permute": lambda mesh, s, axes: collectives.send_recv_s(
+        s, 2, mesh.group_link(axes)),
+    "all-gather": lambda mesh, s, axes: mesh.all_gather_s(s, axes),
+    "all-to-all": lambda mesh, s, axes: mesh.all_to_all_s(s, axes),
+}
+"""Seconds of a `ReshardStep` per kind: (mesh, S bytes, axes) -> seconds."""
+
+
 def reshard_s(src: Spec, dst: Spec, nbytes: float, mesh: MeshContext) -> float:
-    """Seconds to turn a value of `nbytes` (whole) laid out as `src` into `dst`.
+    """Seconds to turn a value of `nbytes` (whole) laid out as `src` into `dst`: its
+    `reshard_steps` priced on `mesh`."""
+    if src == dst:
+        return 0.0
+    return sum((step.seconds(mesh) for step in reshard_steps(src, dst, nbytes, mesh)), 0.0)
+
+
+def reshard_steps(src: Spec, dst: Spec, nbytes: float, mesh: MeshContext
+                  ) -> tuple[ReshardStep, ...]:
+    """The collectives that turn a value of `nbytes` (whole) laid out as `src` into `dst`.
 
     Per mesh axis: dropped → all-gather; added → a local slice (free) when it goes after
     the axes its dim keeps, else the devices' blocks are reordered (`reorders`: XLA sends
@@ -186,12 +223,13 @@ def reshard_s(src: Spec, dst: Spec, nbytes: float, mesh: MeshContext) -> float:
     moves the part of the value still split on the other axes.
     """
     if src == dst:
-        return 0.0
-    total = 0.0
+        return ()
+    steps = []
     involved = mesh.axes_used(src) | mesh.axes_used(dst)
     if reorders(src, dst):
         finer = max(mesh.shards(src), mesh.shards(dst))   # permuted at the finer split
-        total += collectives.send_recv_s(nbytes / finer, 2, mesh.group_link(sorted(involved)))
+        steps.append(ReshardStep("collective-permute", nbytes / finer,
+                                 tuple(sorted(involved))))
     several = len(involved) > 1
     for axis in mesh.split_axes:
         s_dim = _dim_of(src, axis)
@@ -201,11 +239,9 @@ def reshard_s(src: Spec, dst: Spec, nbytes: float, mesh: MeshContext) -> float:
         # Bytes of the group the collective runs in: the value split by the other axes.
         others = mesh.shards(src) // mesh.size(axis)
         group_bytes = nbytes / max(others, 1)
-        if d_dim is None or several:
-            total += mesh.all_gather_s(group_bytes, (axis,))
-        else:
-            total += mesh.all_to_all_s(group_bytes, (axis,))
-    return total
+        kind = "all-gather" if d_dim is None or several else "all-to-all"
+        steps.append(ReshardStep(kind, group_bytes, (axis,)))
+    return tuple(steps)
 
 
 def full_rematerialization(src: Spec, dst: Spec) -> bool:
