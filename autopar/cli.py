@@ -188,12 +188,9 @@ def make_method(args, cluster):
         return autopar.PipeshardParallel(num_micro_batches=micro,
                                          num_stages=args.stages or "auto", **common)
     if name in ("dp", "zero2", "zero3"):
-        if micro > 1:
-            raise UsageError(f"--method {name} does not take --micro-batches (use shard, "
-                             f"pipeshard or 3d)")
         cls = {"dp": autopar.DataParallel, "zero2": autopar.Zero2Parallel,
                "zero3": autopar.Zero3Parallel}[name]
-        return cls(**common)
+        return cls(num_micro_batches=micro, **common)
     n = cluster.num_devices
     dims = {"dp": args.dp, "tp": args.tp, "pp": args.pp}
     missing = [k for k, v in dims.items() if v is None]

@@ -115,11 +115,17 @@ class Constraints:
 
 
 def emit(graph: Graph, plan: Plan, mesh: Mesh, donate_argnums: Sequence[int] = ()):
-    """Returns a jitted function of the flattened inputs that runs `graph` under `plan`."""
+    """Returns a jitted function of the flattened inputs that runs `graph` under `plan`.
+    A micro-batched step reduces each gradient once per step (`microbatch.ReducedOnce`)."""
+    from .microbatch import ReducedOnce  # (it builds on grad_accum, which imports emit)
+
     hooks = Constraints.build(graph, mesh, plan.value_specs, plan.operand_specs,
                               input_specs=zip(graph.invars, plan.in_specs))
+    once = ReducedOnce.find(graph, plan, mesh)
 
     def program(*flat_args):
+        if once is not None:
+            return tuple(once.evaluate(flat_args, hooks))
         return tuple(graph.evaluate(flat_args, hooks.on_value, hooks.on_operand))
 
     in_shardings = tuple(NamedSharding(mesh, to_pspec(s)) for s in plan.in_specs)

@@ -15,13 +15,19 @@ A gradient on its way through the backward is a `GradSum`: a dict from the tuple
 axes its parts are not reduced over (`()`: an ordinary, reduced array) to the array.
 Equations the deferral does not cover read the sum of the parts (the reduction happens
 there, as XLA would have done it) — correct, only not deferred.
+
+A single-mesh step with micro-batches (`autopar.microbatch`) uses the same machinery on its
+unrolled program: every micro-batch's gradient contractions are deferred, their partial
+sums go through the micro-batch sum and mean (`through_scaling`: the division by the count)
+and are reduced once, where the optimizer first reads the mean (`DeferredBackward` with
+`reduce_once`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -130,6 +136,29 @@ def passes_sums(name: str) -> bool:
     return name in _LINEAR_UNARY or name in _LINEAR_SUM
 
 
+def scales(eqn: Any) -> bool:
+    """Whether `eqn` multiplies or divides one value by a literal constant (`g * c`,
+    `c * g`, `g / c`): linear in that value, so a sum of parts passes it part by part."""
+    ins = eqn.inputs
+    if len(ins) != 2 or isinstance(ins[0], Lit) == isinstance(ins[1], Lit):
+        return False
+    return eqn.name == "mul" or (eqn.name == "div" and isinstance(ins[1], Lit))
+
+
+def _passes(eqn: Any, through_scaling: bool) -> bool:
+    return passes_sums(eqn.name) or (through_scaling and scales(eqn))
+
+
+def gradient_contractions(graph: Graph, grads: Sequence[int], *,
+                          through_scaling: bool = False) -> set[int]:
+    """Indices of the equations of `graph` whose sums `Deferral.find` may keep unreduced on
+    their way to the gradients `grads` (whatever the layouts): the contractions it would
+    reach walking back through linear equations (and, with `through_scaling`, through
+    scalings by a constant).  What a planner prices as reduced once per step."""
+    follow = lambda k: _passes(graph.eqns[k], through_scaling)
+    return {k for k in graph.producers_back(grads, follow) if defers(graph.eqns[k])}
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Deferral:
     """Which equations of a layer's backward keep their gradient sums unreduced.
@@ -147,11 +176,12 @@ class Deferral:
     @staticmethod
     def find(fb: Graph, eqns: Sequence[int], grad_outs: Sequence[int],
              value_specs: Mapping[int, Spec], operand_specs: Mapping[tuple[int, int], Spec],
-             ) -> Deferral:
+             *, through_scaling: bool = False) -> Deferral:
         """Walks back from the parameter gradients `grad_outs` (value ids of `fb`) through
-        linear equations of `eqns` to the contractions that produce them."""
+        linear equations of `eqns` (with `through_scaling`, also through scalings by a
+        constant: `scales`) to the contractions that produce them."""
         inside = set(eqns)
-        is_linear = lambda k: k in inside and passes_sums(fb.eqns[k].name)
+        is_linear = lambda k: k in inside and _passes(fb.eqns[k], through_scaling)
         contractions: dict[int, tuple[tuple[str, ...], tuple[Spec, ...]]] = {}
         linear: set[int] = set()
         for k in fb.producers_back(grad_outs, is_linear):
@@ -183,48 +213,64 @@ class Deferral:
 
 
 class DeferredBackward:
-    """`override` hook for `LayerProgram.run_backward` on `mesh` implementing a Deferral."""
+    """`override` hook for `LayerProgram.run_backward` on `mesh` implementing a Deferral.
 
-    def __init__(self, fb: Graph, deferral: Deferral, mesh: Mesh):
+    With `reduce_once`, a sum read by an equation the deferral does not cover (or by the
+    caller, `value`) is reduced by `reduce_to` into its planned layout (one all-reduce or
+    reduce-scatter), once per value however many equations read it: the hook then serves
+    one trace only."""
+
+    def __init__(self, fb: Graph, deferral: Deferral, mesh: Mesh, *, reduce_once: bool = False):
         self.fb, self.deferral, self.mesh = fb, deferral, mesh
+        self._reduced: dict[int, Any] | None = {} if reduce_once else None
 
     def _constrain(self, x: Any, spec: Spec) -> Any:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, to_pspec(spec)))
 
-    def _value(self, x: Any, vid: Any) -> Any:
+    def value(self, x: Any, vid: Any) -> Any:
         """An operand as an ordinary array (summing a GradSum in the operand's layout)."""
         if not isinstance(x, GradSum):
             return x
-        total = x.total()
         spec = self.deferral.specs.get(vid) if isinstance(vid, int) else None
-        return total if spec is None else self._constrain(total, spec)
+        if spec is None:
+            return x.total()
+        if self._reduced is None:
+            return self._constrain(x.total(), spec)
+        if vid not in self._reduced:
+            # The parts are laid out as the value's plan (`stacked_spec`): kept so.
+            self._reduced[vid] = reduce_to(x.parts, spec, self.mesh, have=spec)
+        return self._reduced[vid]
 
     def __call__(self, key: int, eqn: Any, ins: list) -> list | None:
         d = self.deferral
         if key in d.contractions:
-            return [self._contract(key, eqn, [self._value(x, v)
+            return [self._contract(key, eqn, [self.value(x, v)
                                               for x, v in zip(ins, eqn.inputs)])]
         if not any(isinstance(x, GradSum) for x in ins):
             return None
-        if key in d.linear and not any(isinstance(v, Lit) for v in eqn.inputs):
+        if key in d.linear and (scales(eqn) or not any(isinstance(v, Lit)
+                                                       for v in eqn.inputs)):
             out_spec = d.specs.get(eqn.outputs[0])
             if eqn.name in _LINEAR_SUM:
                 total = GradSum({})
                 for x in ins:
                     total = total + (x if isinstance(x, GradSum) else GradSum({(): x}))
                 return [total]
-            (x,) = ins
+            # One operand is the sum (a scaling's other operand is its literal).
+            at = next(j for j, v in enumerate(eqn.inputs) if not isinstance(v, Lit))
+            x = ins[at]
+            with_part = lambda p: ins[:at] + [p] + ins[at + 1:]
             parts = {}
             for axes, part in x.parts.items():
                 if axes:
-                    y = jax.vmap(lambda p: bind(eqn, [p])[0])(part)
+                    y = jax.vmap(lambda p: bind(eqn, with_part(p))[0])(part)
                     if out_spec is not None:
                         y = self._constrain(y, stacked_spec(out_spec, axes))
                 else:
-                    y = bind(eqn, [part])[0]
+                    y = bind(eqn, with_part(part))[0]
                 parts[axes] = y
             return [GradSum(parts)]
-        return bind(eqn, [self._value(x, v) for x, v in zip(ins, eqn.inputs)])
+        return bind(eqn, [self.value(x, v) for x, v in zip(ins, eqn.inputs)])
 
     def _contract(self, key: int, eqn: Any, ins: list) -> GradSum:
         axes, reads = self.deferral.contractions[key]
@@ -295,6 +341,13 @@ def _scatter(stack: Any, axes: tuple[str, ...], spec: Spec, mesh: Mesh,
     out_spec = tuple(cut.get(d, ()) for d in range(len(spec)))
     return jax.shard_map(local, mesh=mesh, in_specs=to_pspec((axes,)),
                          out_specs=to_pspec(out_spec), axis_names=manual)(stack)
+
+
+def skip_sums(hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """A value hook that leaves `GradSum`s alone (their parts carry their own layouts)."""
+    def on_value(vid: Any, x: Any) -> Any:
+        return x if isinstance(x, GradSum) else hook(vid, x)
+    return on_value
 
 
 def as_grad_sum(x: Any) -> GradSum:

@@ -178,7 +178,8 @@ class ShardParallel:
       solver: sharding-solver backend, one of `autopar.passes.solver.BACKENDS`; "auto"
         picks the best installed one.
       time_limit_s: solver wall-clock limit per mesh shape, seconds.
-      num_micro_batches: gradient accumulation steps (the batch is split on dim 0).
+      num_micro_batches: gradient accumulation steps (the batch is split on dim 0; each
+        gradient is reduced once per step, after the last micro-batch).
     """
 
     mesh_shape: tuple[int, ...] | None = None
@@ -219,19 +220,22 @@ class ShardParallel:
 
 @dataclasses.dataclass(frozen=True)
 class DataParallel:
-    """Batch split over all devices; parameters and optimizer state replicated."""
+    """Batch split over all devices; parameters and optimizer state replicated.
+    `num_micro_batches`: gradient accumulation steps (the batch is split on dim 0; the
+    gradients are reduced once per step)."""
 
     memory_budget_bytes: float | None = None
     solver: Backend = DEFAULT_BACKEND
     time_limit_s: float = 60.0
+    num_micro_batches: int = 1
     name: ClassVar[str] = "dp"
     pipelined: ClassVar[bool] = False
-    num_micro_batches: ClassVar[int] = 1
     _sharded_roles: ClassVar[tuple[Role, ...]] = ()
 
     def __post_init__(self) -> None:
         _check_common(type(self).__name__, self.memory_budget_bytes, self.solver,
                       self.time_limit_s)
+        _check_count(type(self).__name__, "num_micro_batches", self.num_micro_batches)
 
     def mesh_shapes(self, num_devices: int) -> list[tuple[int, ...]]:
         return [(num_devices,)]

@@ -1,5 +1,10 @@
 """Plan search for one traced program: runs the intra-op pass on each candidate logical
-mesh and keeps the cheapest, producing a `Plan`."""
+mesh and keeps the cheapest, producing a `Plan`.
+
+A micro-batched step (N > 1) holds N copies of the forward+backward; the emitted program
+reduces each gradient once per step (`microbatch.ReducedOnce`), so each copy's gradient
+contractions carry 1/N of their communication (the ILP's `comm_scale`), as the pipeline
+planner prices a stage's."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from autopar.passes import intra_op
 from autopar.passes.sharding_spec import MeshContext, Spec
 
 from .methods import Method, Role
+from .microbatch import reduced_once
 from .plan import Plan, PredictedCost
 from .solve_pool import SolvePool, answer_bound_s
 
@@ -106,6 +112,9 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
     shapes = method.mesh_shapes(n)
     started, mirrors = [], {}
     ties = [(out_pos, graph.invars[in_pos]) for out_pos, in_pos in program.ties]
+    micro = method.num_micro_batches
+    comm_scale = ({k: 1.0 / micro for k in reduced_once(graph)}
+                  if isinstance(micro, int) and micro > 1 else None)
     pool = SolvePool(None if len(shapes) > 1 else 0)
     submit = WatchedSubmit(pool.submit)
     try:
@@ -122,7 +131,7 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
             started.append((mesh, forced, intra_op.start(
                 graph, mesh, forced=forced, ties=ties, memory_budget_bytes=budget,
                 batch_size=program.batch_size, solver=method.solver,
-                time_limit_s=method.time_limit_s, submit=submit)))
+                time_limit_s=method.time_limit_s, comm_scale=comm_scale, submit=submit)))
         for mesh, _, run in started:
             try:
                 results.append(answer(run, f"the mesh ILP on logical mesh {mesh.shape}"))
@@ -164,6 +173,7 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
         candidates=_with_mirrors([(r.mesh.shape, r.cost_s) for r in results], mirrors,
                                  shapes),
         operand_specs=best.operand_specs,
+        num_micro_batches=micro if isinstance(micro, int) else 1,
     )
 
 

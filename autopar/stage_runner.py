@@ -41,6 +41,7 @@ from .grad_accum import (
     GradSum,
     as_grad_sum,
     reduce_to,
+    skip_sums,
     stacked_spec,
 )
 from .layer import LayerProgram
@@ -386,7 +387,7 @@ class StageRunner:
                        for v in lp.fn.float_outs]
             out_cts = [x.total() if isinstance(x, GradSum) else x for x in out_cts]
             c = layer.constraints
-            hooks = {} if c is None else dict(on_value=_skip_sums(c.on_value),
+            hooks = {} if c is None else dict(on_value=skip_sums(c.on_value),
                                               on_operand=c.on_operand)
             if layer.deferred is not None:
                 hooks["override"] = layer.deferred
@@ -563,9 +564,3 @@ class StageRunner:
             out["step"] = self.fused_step.lower(tuple(static), batch)
         return out
 
-
-def _skip_sums(hook):
-    """A value hook that leaves `GradSum`s alone (their parts carry their own layouts)."""
-    def on_value(vid, x):
-        return x if isinstance(x, GradSum) else hook(vid, x)
-    return on_value
