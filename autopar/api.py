@@ -707,8 +707,11 @@ def parallelize(fun: Callable | None = None, *, method: Method | None = None,
 def place(step: ParallelizedFunction, *args) -> tuple:
     """`args` laid out as `step`'s program expects them (`step.input_shardings(*args)`):
     every leaf of every dynamic argument moved by one `jax.device_put` (device to device
-    for arrays already on devices: no host gather; across processes `transfer.move`, which
-    every process calls); static arguments returned as given.
+    for arrays already on devices: no host gather); static arguments returned as given.
+    Across processes (`distributed.place_leaves`, which every process calls): numpy values
+    and arrays on this process's own devices (what `init_state()` returns when every process
+    runs it) are each process's copy of the same value, and each process cuts its shards
+    from it; global arrays (over several processes' devices) move device to device.
     A step called on the placed arguments moves nothing before it runs.
 
     Example: `state, batch = autopar.place(step, init_state(), batch)`.
@@ -718,7 +721,7 @@ def place(step: ParallelizedFunction, *args) -> tuple:
     leaves = jax.tree_util.tree_leaves(dynamic)
     shardings = traced._shardings("in")
     moved = (jax.device_put(leaves, shardings) if not transfer.multi_process()
-             else [transfer.move(x, sh) for x, sh in zip(leaves, shardings)])
+             else distributed.place_leaves(leaves, shardings, traced.program.input_names))
     placed = jax.tree_util.tree_unflatten(traced.in_tree, moved)
     out = list(args)
     for pos, value in zip(positions, placed):

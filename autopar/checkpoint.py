@@ -27,7 +27,9 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from . import transfer
 from .api import ParallelizedFunction
 
 _ITEM = ocp.checkpoint_manager.DEFAULT_ITEM_NAME
@@ -56,8 +58,6 @@ def restore_target(step: ParallelizedFunction, *args, argnum: int = 0) -> Any:
 def _spanning_every_process(state: Any) -> Any:
     """`state` with each `jax.Array` leaf held by some processes only replaced by a copy
     replicated over every device of every process (the other leaves as they are)."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
     from . import distributed
 
     leaves, tree = jax.tree_util.tree_flatten(state)
@@ -140,7 +140,24 @@ class Checkpoints:
         saved = self.manager.item_metadata(step)
         check_matches(getattr(saved, "tree", saved), abstract,
                       f"checkpoint step {step} in {self.directory}")
-        return self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        if jax.process_count() == 1:
+            return self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        # Leaves whose layout leaves some process without a shard (a pipeline stage's
+        # state): Orbax creates arrays that span every process, so read them replicated
+        # over every device, then each process cuts its own shards.
+        leaves, tree = jax.tree_util.tree_flatten(abstract)
+        everyone = set(range(jax.process_count()))
+        whole = NamedSharding(Mesh(np.array(jax.devices()), ("all",)), PartitionSpec())
+        partial = [k for k, x in enumerate(leaves)
+                   if {d.process_index for d in x.sharding.device_set} != everyone]
+        wide = list(leaves)
+        for k in partial:
+            wide[k] = jax.ShapeDtypeStruct(leaves[k].shape, leaves[k].dtype, sharding=whole)
+        restored = jax.tree_util.tree_leaves(self.manager.restore(
+            step, args=ocp.args.StandardRestore(jax.tree_util.tree_unflatten(tree, wide))))
+        for k in partial:
+            restored[k] = transfer.move(restored[k], leaves[k].sharding)
+        return jax.tree_util.tree_unflatten(tree, restored)
 
     def restore_into(self, train_step: ParallelizedFunction, *args, argnum: int = 0,
                      step: int | None = None) -> Any:

@@ -45,6 +45,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
+from . import env_settings
 from .plan import Plan, PlanError
 
 # Defaults for real clusters (JAX's own are 300 s and 100 s); `autopar launch` uses shorter
@@ -376,32 +377,13 @@ _initialization_timeout_s = float(INITIALIZATION_TIMEOUT_S)
 
 def _fixed_timeout_s() -> float | None:
     """AUTOPAR_PLAN_TIMEOUT_S in seconds, or None when it is not set."""
-    text = os.environ.get("AUTOPAR_PLAN_TIMEOUT_S")
-    if text is None:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"AUTOPAR_PLAN_TIMEOUT_S={text!r}: expected a positive number of "
-                         f"seconds")
-    return value
+    return env_settings.positive("AUTOPAR_PLAN_TIMEOUT_S")
 
 
 def _missed_heartbeats() -> int:
     """AUTOPAR_PLAN_MISSED_HEARTBEATS (set by `autopar launch`), or PLAN_MISSED_HEARTBEATS."""
-    text = os.environ.get("AUTOPAR_PLAN_MISSED_HEARTBEATS")
-    if text is None:
-        return PLAN_MISSED_HEARTBEATS
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"AUTOPAR_PLAN_MISSED_HEARTBEATS={text!r}: expected a positive "
-                         f"number of heartbeats")
-    return value
+    value = env_settings.positive("AUTOPAR_PLAN_MISSED_HEARTBEATS", int, "heartbeats")
+    return PLAN_MISSED_HEARTBEATS if value is None else value
 
 
 class _Heartbeat:
@@ -663,6 +645,71 @@ def input_shardings(step, *args) -> tuple:
             lambda x, split=split: rows if split and _splits(np.shape(x), len(devices))
             else whole, arg))
     return tuple(out)
+
+
+def place_leaves(leaves: Sequence[Any], shardings: Sequence[Sharding],
+                 names: Sequence[str]) -> list[Any]:
+    """Each leaf laid out as its sharding, across processes; every process calls it with
+    the same leaves in the same order (`autopar.place`).
+
+    A leaf is, on each process, one of: a host value (numpy, Python scalar), a *local*
+    array (on this process's devices only: `init_state()` run on every process), or a
+    *global* array (a `jax.Array` over some other process's devices).  Host values and local
+    arrays are this process's copy of the value: each process cuts its own shards from it,
+    device to device for arrays, and no data crosses processes (every process must pass the
+    same value, as with `jax.device_put` of a numpy array).  Global arrays move device to
+    device (`transfer.move`), each received piece waited for within the transfer bound.
+    The processes first agree on each leaf's kind through the key-value store (one
+    exchange, bounded like `gather`): an array held by one process only is local there and
+    global elsewhere, and moving it would pair no copies; it raises instead, naming it."""
+    from . import transfer
+
+    global _placements
+    _placements += 1
+    me, count = jax.process_index(), jax.process_count()
+    kinds = [_leaf_kind(x, me) for x in leaves]
+    store = _Store()
+    key = f"autopar/place/{_placements}"
+    store.put(f"{key}/{me}", {"kinds": kinds})
+    timeout_s = _fixed_timeout_s() or GATHER_TIMEOUT_S
+    seen = {p: (kinds if p == me else
+                store.get(f"{key}/{p}", timeout_s, f"process {p}'s arguments to autopar.place")
+                ["kinds"]) for p in range(count)}
+    for k, name in enumerate(names):
+        by_process = {p: seen[p][k] for p in range(count)}
+        if len(set(by_process.values())) > 1:
+            raise ValueError(
+                f"autopar.place: argument leaf {name} is {_kinds_text(by_process)}; pass "
+                f"every process either its own copy of the value (numpy, or an array on its "
+                f"own devices) or one global array over the processes' devices "
+                f"(`jax.jit(init, out_shardings=dist.input_shardings(step, ...)[0])()`)")
+    out = []
+    for x, sh, kind in zip(leaves, shardings, kinds):
+        if kind == "host":
+            out.append(jax.device_put(x, sh))
+        elif kind == "local":
+            out.append(transfer.from_local_copy(x, sh))
+        else:
+            src = x.sharding
+            out.append(transfer.arrived(transfer.move(x, sh), src, "an argument of place"))
+    return out
+
+
+_placements = 0   # place_leaves calls so far (the same count on every process)
+
+
+def _leaf_kind(x: Any, me: int) -> str:
+    if not isinstance(x, jax.Array):
+        return "host"
+    if all(d.process_index == me for d in x.sharding.device_set):
+        return "local"
+    return "global"
+
+
+def _kinds_text(by_process: Mapping[int, str]) -> str:
+    words = {"host": "a host value", "local": "an array on its own devices",
+             "global": "an array on other processes' devices"}
+    return ", ".join(f"{words[kind]} on process {p}" for p, kind in by_process.items())
 
 
 def _splits(shape: tuple[int, ...], n: int) -> bool:

@@ -289,7 +289,8 @@ def place(x: Any, sharding: Sharding, private: bool = False) -> Any:
     if isinstance(x, jax.Array) and x.sharding == sharding:
         return x
     if transfer.multi_process():
-        return transfer.move(x, sharding)
+        src = x.sharding if isinstance(x, jax.Array) else None
+        return transfer.arrived(transfer.move(x, sharding), src)
     if not isinstance(x, jax.Array):
         return jax.device_put(x, sharding)
     if private:

@@ -34,6 +34,10 @@ from .plan import Plan
 from .schedules import Schedule
 from .stage_runner import StageRunner
 
+# Largest step output (bytes) that is not state and is returned on every process of a
+# multi-process pipeline (the loss and metrics; see PipelineRuntime._outputs_everywhere).
+EVERYWHERE_MAX_BYTES = 1 << 20
+
 
 class PipelineRuntime:
     """Runs one step of a split program under a pipeline plan.
@@ -91,6 +95,7 @@ class PipelineRuntime:
         # waited forever for its last device (1 stage on 8 devices, the 5th unblocked step,
         # jax 0.10.2); pipelined steps on other platforms stay asynchronous, and several
         # processes dispatch synchronously already (distributed.initialize).
+        self._everywhere = self._outputs_everywhere(ties)
         self._wait_for_step = (not transfer.multi_process() and all(
             d.platform == "cpu" for m in self.meshes for d in m.devices.flat))
         # One stage whose schedule runs each micro-batch's forward then its backward (1F1B):
@@ -271,6 +276,8 @@ class PipelineRuntime:
         env.update(zip(marker.outvars, values + grads))
         outer.run(self.post, env)
         outs = [v.val if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
+        for k, sharding in self._everywhere.items():
+            outs[k] = transfer.to_every_process(outs[k], sharding)
         if self._wait_for_step:
             jax.block_until_ready(outs)
         return outs
@@ -329,8 +336,31 @@ class PipelineRuntime:
 
     def output_shardings(self) -> list[Sharding | None]:
         """The sharding of each flattened output the step returns (None: a literal)."""
-        return [None if isinstance(v, jcore.Literal) else self._sharding_of(v, "out")
-                for v in self.split.step.jaxpr.outvars]
+        return [None if isinstance(v, jcore.Literal) else
+                self._everywhere[k] if k in self._everywhere else self._sharding_of(v, "out")
+                for k, v in enumerate(self.split.step.jaxpr.outvars)]
+
+    def _outputs_everywhere(self, ties: Sequence[tuple[int, int]]) -> dict[int, Sharding]:
+        """Output positions returned replicated on every device of the step, by sharding:
+        across processes, the outputs that are not new state (tied to no input) and at most
+        EVERYWHERE_MAX_BYTES, whose layout leaves some process without them (the loss and
+        metrics on the last stage): each process can then read them (`float(loss)`)."""
+        if not transfer.multi_process():
+            return {}
+        devices = list(dict.fromkeys(d for m in self.meshes for d in m.devices.flat))
+        everyone = {d.process_index for d in devices}
+        whole = NamedSharding(Mesh(np.array(devices, dtype=object), ("_all",)),
+                              jax.sharding.PartitionSpec())
+        tied = {o for o, _ in ties}
+        out: dict[int, Sharding] = {}
+        for k, v in enumerate(self.split.step.jaxpr.outvars):
+            if isinstance(v, jcore.Literal) or k in tied:
+                continue
+            nbytes = int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize
+            holders = {d.process_index for d in self._sharding_of(v, "out").device_set}
+            if nbytes <= EVERYWHERE_MAX_BYTES and holders != everyone:
+                out[k] = whole
+        return out
 
     # ---- inspection -------------------------------------------------------------------------
 

@@ -33,6 +33,8 @@ from . import _solve_worker as wire
 log = logging.getLogger("autopar")
 
 _WORKER = os.path.abspath(wire.__file__)
+# Longest `SolvePool.close` waits for its workers to finish the problems they hold (seconds).
+CLOSE_TIMEOUT_S = 60.0
 # np.load parses each array's header with ast.literal_eval, and CPython 3.11's AST
 # constructor keeps one recursion counter per interpreter, not per thread: two pool threads
 # decoding answers at once failed with "SystemError: AST constructor recursion depth
@@ -84,7 +86,8 @@ class SolvePool:
 
     def close(self, cancel: bool = False) -> None:
         """Stops the workers after the queued problems (with `cancel`, drops those not
-        started yet: their futures are cancelled)."""
+        started yet: their futures are cancelled), waiting at most CLOSE_TIMEOUT_S for
+        them; workers still solving then are killed (their futures get an error)."""
         while cancel:
             try:
                 job = self._jobs.get_nowait()
@@ -94,8 +97,17 @@ class SolvePool:
                 job[0].cancel()
         for _ in self._threads:
             self._jobs.put(None)
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
         for t in self._threads:
-            t.join()
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._threads):
+            # A problem still solving past the bound: stop its worker process (its serving
+            # thread then returns); one solved in this process is left to its daemon thread.
+            for proc in list(self._procs):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+            for t in self._threads:
+                t.join(2.0)
         self._threads.clear()
 
     # -- workers ------------------------------------------------------------------------

@@ -3,11 +3,13 @@
 In one process `jax.device_put` moves anything anywhere.  Across processes (multi-
 controller JAX) every process runs the same driver loop but only computes on its own
 devices; an array computed on another process is known here as a *placeholder*: a global
-`jax.Array` with that array's shape, dtype and sharding and no local data.  JAX moves an
-array between processes with `jax.device_put` called in every process that holds either
-side, when the two shardings have the same number of devices and the same tiling
-(docs/multi_process.md; jax 0.10.2 `dispatch._is_supported_cross_host_transfer`), with
-`jax_cross_host_transfer_socket_address` set (`autopar.distributed.initialize` does).
+`jax.Array` with that array's shape, dtype and sharding and no local data.  An array moves
+between processes, between two shardings with the same number of devices and the same
+tiling, by one program on both device sets (a collective-permute, `_cross_process_copy`)
+run by the processes that hold either side; the receiver checks the copy's signature.
+(`jax.device_put` between processes needs `jax_cross_host_transfer_socket_address` on CPU,
+and its copies, pulled by the receiver and served behind the sender's later programs,
+deadlocked pipelines: see `_cross_process_copy`.)
 `move` reduces every other case to that one:
 
 1. on the source's devices, re-lay the array out with the destination's tiling (same
@@ -32,15 +34,111 @@ sets is one between equal tilings.
 from __future__ import annotations
 
 import functools
+import time
+import zlib
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
+from . import env_settings
+
 
 def multi_process() -> bool:
     return jax.process_count() > 1
+
+
+TRANSFER_TIMEOUT_S = 120.0   # default bound on one cross-process copy's arrival (seconds)
+
+
+class TransferError(RuntimeError):
+    """A cross-process copy failed, or did not arrive within the bound
+    (`transfer_timeout_s()`)."""
+
+
+def transfer_timeout_s() -> float:
+    """Seconds `arrived` waits for one copy: AUTOPAR_TRANSFER_TIMEOUT_S, else
+    TRANSFER_TIMEOUT_S."""
+    value = env_settings.positive("AUTOPAR_TRANSFER_TIMEOUT_S")
+    return TRANSFER_TIMEOUT_S if value is None else value
+
+
+def arrived(x: Any, source: Sharding | None = None, what: str = "an array") -> Any:
+    """`x` once this process's shards of it hold their data, on CPU devices; `x` at once
+    elsewhere, and where this process holds none of it.  The bounded wait on what a step
+    received from other processes: past `transfer_timeout_s()`, or when the copy failed,
+    `TransferError` names the array, where it came from and the bound (a process that
+    stopped, or processes whose copies went out of order, end every process with a named
+    error instead of a hang).  Before cross-process copies were programs
+    (`_cross_process_copy`), a 2-stage pipeline over 2 processes x 4 devices whose loop did
+    not read the loss hung in its third step in 3 of 3 runs, and this wait alone made it
+    run (jax 0.10.2)."""
+    if not (isinstance(x, jax.Array) and x.addressable_shards
+            and x.addressable_shards[0].device.platform == "cpu"):
+        return x
+    peers = (f"process(es) {sorted(_processes(source))}" if source is not None
+             else "another process")
+    if x.dtype == np.bool_:
+        # A received bool array never reports is_ready() (jax 0.10.2, CPU: 2 processes, a
+        # bool[] copy that block_until_ready and programs see arrive), so it is waited for
+        # without the poll: unbounded here, bounded by the peers' heartbeats.
+        return _checked(x, what, peers)
+    bound = transfer_timeout_s()
+    start = time.monotonic()
+    pause = 1e-4
+    while not x.is_ready():
+        waited = time.monotonic() - start
+        if waited > bound:
+            raise TransferError(
+                f"process {jax.process_index()} waited {waited:.0f} s for {what} "
+                f"{x.dtype}{list(x.shape)} from {peers} and gave up: the sender never made "
+                f"the copy, or made its copies in another order (every process must run the "
+                f"same steps on the same values in the same order); "
+                f"AUTOPAR_TRANSFER_TIMEOUT_S sets the bound ({bound:g} s)")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
+    return _checked(x, what, peers)
+
+
+def _checked(x: jax.Array, what: str, peers: str) -> jax.Array:
+    """`x` once it has arrived; `TransferError` when its copy failed."""
+    try:
+        x.block_until_ready()
+    except jax.errors.JaxRuntimeError as err:
+        raise TransferError(
+            f"process {jax.process_index()}: the copy of {what} {x.dtype}{list(x.shape)} "
+            f"from {peers} failed ({str(err).splitlines()[0]}): the processes made their "
+            f"cross-process copies in different orders, or a peer stopped (every process "
+            f"must run the same steps on the same values in the same order)") from None
+    return x
+
+
+def to_every_process(x: jax.Array, whole: NamedSharding) -> jax.Array:
+    """`x` (held by some processes: a stage's output) replicated on every device of
+    `whole` (a 1-D mesh spanning every process), by one program every process runs: a
+    `(devices, *shape)` array whose row on the first device holding `x` is `x` and whose
+    other rows are zeros, indexed at that row.  No cross-process `jax.device_put`: one
+    sender's copies to several processes in a row were lost (4 processes x 2 devices, a
+    4-stage pipeline's loss to every process: 2 of 3 receivers waited forever, jax 0.10.2),
+    while collectives among every process run as the single-mesh plans' do."""
+    devices = list(whole.mesh.devices.flat)
+    x = _whole(x)
+    first = _devices(x.sharding)[0]
+    row = devices.index(first)
+    held = {s.device: s.data for s in x.addressable_shards}
+    pieces = [held[d][None] if d == first else
+              jax.device_put(np.zeros((1,) + x.shape, x.dtype), d)
+              for d in devices if d.process_index == jax.process_index()]
+    rows = jax.make_array_from_single_device_arrays(
+        (len(devices),) + x.shape, NamedSharding(whole.mesh, PartitionSpec(
+            whole.mesh.axis_names[0])), pieces, dtype=x.dtype)
+    return _row(row, whole)(rows)
+
+
+@functools.lru_cache(maxsize=256)
+def _row(row: int, whole: NamedSharding):
+    return jax.jit(lambda a: a[row], out_shardings=whole)
 
 
 def is_local(sharding: Sharding) -> bool:
@@ -83,15 +181,109 @@ def _step(x: jax.Array, sharding: Sharding) -> jax.Array:
     if x.sharding == sharding:
         return x
     if _processes(x.sharding) != _processes(sharding):
-        # A cross-process copy: every process of the job makes the call, also those that
-        # hold neither side.  JAX pairs a sender's and a receiver's copies by the order of
-        # these calls in each process; a process that skipped the copies between two
-        # others would pair its next ones wrongly (measured: 3 processes, 0->1 twice then
-        # 1->2 hangs unless process 2 also calls the first two).
-        return jax.device_put(x, sharding)
+        return _cross_process_copy(x, sharding)
     if is_local(x.sharding) or is_local(sharding):
         return jax.device_put(x, sharding)
     return placeholder(x.shape, x.dtype, sharding)
+
+
+def _cross_process_copy(x: jax.Array, sharding: Sharding) -> jax.Array:
+    """`x` copied to `sharding`, an equal tiling on other processes' devices: one program
+    on the source and destination devices together (a collective-permute of each tile
+    from its source device to its destination device, `_pair_permute`), run by the
+    processes holding either side; the others only make a placeholder.
+
+    Not `jax.device_put`: JAX's cross-process copy on CPU is pulled by the receiver and
+    served from the sender's device queue, behind any program the sender dispatched
+    after it; a sender whose next program waited on the receiver never served the copy
+    (2 processes x 4 devices, 2-stage pipelines: a stage program waiting for a cotangent,
+    or a batch all-gather, behind an activation or a tied weight the other process
+    waited for; jax 0.10.2).  A program is ordered with the others on every device, as in
+    the single-mesh plans.  Shardings whose device sets overlap fall back to device_put."""
+    src, dst = x.sharding, sharding
+    if not (isinstance(src, NamedSharding) and isinstance(dst, NamedSharding)
+            and src.mesh.devices.shape == dst.mesh.devices.shape
+            and src.mesh.axis_names == dst.mesh.axis_names and src.spec == dst.spec
+            and not (src.device_set & dst.device_set)):
+        return jax.device_put(x, sharding)
+    if not (is_local(src) or is_local(dst)):
+        return placeholder(x.shape, x.dtype, sharding)
+    grid = np.stack([src.mesh.devices, dst.mesh.devices])
+    mesh = Mesh(grid, ("_pair",) + tuple(dst.mesh.axis_names))
+    pair = NamedSharding(mesh, PartitionSpec("_pair", *dst.spec))
+    shape = (2,) + tuple(x.shape)
+    held = {s.device: s.data for s in x.addressable_shards}
+    sources = set(src.device_set)
+    # The copy's signature (shape, dtype and its rank among this pair of process sets'
+    # copies) travels with it: copies made in different orders pair the wrong programs,
+    # which gloo runs without complaint, and the receiver's check names the mismatch.
+    key = (_processes(src), _processes(dst))
+    _copies[key] = serial = _copies.get(key, 0) + 1
+    signature = zlib.crc32(f"{tuple(x.shape)} {np.dtype(x.dtype)} {serial}".encode()) >> 1
+    pieces, signs = [], []
+    for device, index in pair.addressable_devices_indices_map(shape).items():
+        if device in sources:
+            pieces.append(_add_axis(held[device]))
+        else:
+            tile = tuple(len(range(*i.indices(n))) for i, n in zip(index[1:], x.shape))
+            pieces.append(_zeros((1,) + tile, np.dtype(x.dtype), device))
+        signs.append(jax.device_put(np.array([signature if device in sources else 0],
+                                             np.int32), device))
+    both = jax.make_array_from_single_device_arrays(shape, pair, pieces, dtype=x.dtype)
+    sign_sharding = NamedSharding(mesh, PartitionSpec("_pair"))
+    signed = jax.make_array_from_single_device_arrays((2,), sign_sharding, signs,
+                                                      dtype=np.int32)
+    moved, got = _pair_permute(mesh, pair.spec)(both, signed)
+    if not is_local(dst):
+        return placeholder(x.shape, x.dtype, sharding)
+    targets = set(dst.device_set)
+    out = [_drop_axis(s.data) for s in moved.addressable_shards if s.device in targets]
+    y = jax.make_array_from_single_device_arrays(x.shape, sharding, out, dtype=x.dtype)
+    if next(iter(targets)).platform == "cpu":
+        mark = next(s.data for s in got.addressable_shards if s.device in targets)
+        received = int(np.asarray(arrived(mark, src, "a copy's signature"))[0])
+        if received != signature:
+            raise TransferError(
+                f"process {jax.process_index()}: cross-process copy {serial} from "
+                f"process(es) {sorted(key[0])} of an array {np.dtype(x.dtype)}"
+                f"{list(x.shape)} received another copy (signature {received}, expected "
+                f"{signature}): the processes made their cross-process copies in "
+                f"different orders (every process must run the same steps on the same "
+                f"values in the same order)")
+    return y
+
+
+_copies: dict[tuple[frozenset[int], frozenset[int]], int] = {}   # copies per process pair
+
+
+@functools.lru_cache(maxsize=1024)
+def _pair_permute(mesh: Mesh, spec: PartitionSpec):
+    """A jitted program on `mesh` (leading axis `_pair` of size 2) sending each tile of
+    row 0 to the device holding the same tile of row 1."""
+    def body(a, sign):
+        return jax.lax.ppermute((a, sign), "_pair", [(0, 1)])
+
+    signs = PartitionSpec("_pair")
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, signs),
+                                 out_specs=(spec, signs)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _zeros_fn(shape: tuple[int, ...], dtype: np.dtype, device: jax.Device):
+    return jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=jax.sharding.
+                   SingleDeviceSharding(device))
+
+
+def _zeros(shape: tuple[int, ...], dtype: np.dtype, device: jax.Device) -> jax.Array:
+    return _zeros_fn(shape, dtype, device)()
+
+
+def _add_axis(a: jax.Array) -> jax.Array:
+    return a.reshape((1,) + a.shape)
+
+
+def _drop_axis(a: jax.Array) -> jax.Array:
+    return a.reshape(a.shape[1:])
 
 
 def move(x: Any, sharding: Sharding) -> Any:
@@ -108,7 +300,7 @@ def move(x: Any, sharding: Sharding) -> Any:
             return jax.device_put(x, sharding)
         # jax 0.10.2 takes a multi-process device_put between device lists of different
         # sizes for a cross-host copy (and fails): cut the shards from a whole copy instead
-        return _from_local_copy(_whole(x), sharding)
+        return from_local_copy(x, sharding)
     if x.sharding.device_set == sharding.device_set:   # a re-layout among the same devices
         return _relayout(x, sharding)
     if len(_processes(x.sharding)) > 1 and not x.is_fully_replicated:
@@ -217,6 +409,13 @@ def _relayout(x: jax.Array, sharding: Sharding) -> jax.Array:
     if not is_local(x.sharding):
         return placeholder(x.shape, x.dtype, sharding)
     return _reshard(sharding)(x)
+
+
+def from_local_copy(x: jax.Array, sharding: Sharding) -> jax.Array:
+    """`x`, an array on this process's own devices holding the whole value (each process
+    its own copy), laid out as `sharding` (possibly over several processes): each process
+    cuts its own shards, device to device, and no data crosses processes."""
+    return _from_local_copy(_whole(x), sharding)
 
 
 def _from_local_copy(x: jax.Array, sharding: Sharding) -> jax.Array:

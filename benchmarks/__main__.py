@@ -90,6 +90,9 @@ def parts() -> list[Part]:
                     ("solver_tb2_settings.md", "solver_tb2_settings.json"), _tb2_settings_skip))
     # Hours on 2 cores (300 generated cases, each under 4 methods): after the rest.
     out.append(Part("fuzz", (("benchmarks.fuzz",),), ("fuzz.md", "fuzz.json")))
+    # About 15 min on 2 cores (36 multi-process launches).
+    out.append(Part("multiprocess_fuzz", (("benchmarks.multiprocess_fuzz",),),
+                    ("multiprocess_fuzz.md", "multiprocess_fuzz.json")))
     out.append(Part("gpu_check", (("benchmarks.gpu_check",),), ("gpu-<device kind>.md/.json",),
                     lambda: "GPU-only: run `python -m benchmarks.gpu_check` on a machine "
                             "with one GPU"))

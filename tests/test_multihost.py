@@ -218,13 +218,19 @@ def test_cli_launch(tmp_path):
     assert "rank 1 failed first" in run.stderr
 
 
-def test_readme_multiple_hosts_script_runs(tmp_path):
+def test_readme_multiple_hosts_scripts_run(tmp_path):
+    # The section's two code blocks, the second (a pipeline) continuing the first.
     text = (ROOT / "README.md").read_text()
-    code = re.search(r"## Multiple hosts\n.*?```python\n(.*?)```", text, re.S).group(1)
+    section = re.search(r"## Multiple hosts\n(.*?)\n## ", text, re.S).group(1)
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2, "the Multiple hosts section's python blocks changed"
     script = tmp_path / "train.py"
-    script.write_text(code)
+    script.write_text("\n".join(blocks))
     result = run_processes(script, timeout_s=240)
     assert re.search(r"^loss \d", result.output(0), re.M), report(result, [0])
+    for rank in (0, 1):   # the pipeline's loss read with float() on every process
+        assert re.search(r"^pipeline loss \d", result.output(rank), re.M), \
+            report(result, [rank])
 
 
 def test_demo_on_two_processes(capsys):
