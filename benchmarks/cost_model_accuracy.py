@@ -41,8 +41,9 @@ For every plan, the compiled program is audited (cost_model/hlo_audit) against t
   cluster with device_kind "cpu"); the plan's own figure (GPU rules, searched under) is
   reported beside it;
 * step time: the plan's predicted step against the audit priced on 8xA100-80GB (pipelines:
-  the planner's step formula Σ t_s + (B − 1)·max t_s over the audited stage programs, the
-  plan's transfer seconds added, as HLO has none).
+  the planner's step formula Σ t_s + (B − 1)·max t_s over the audited stage programs, with
+  the plan's priced copies between stages added, as HLO has none: the re-layouts around a
+  copy run inside the stage programs and are audited there).
 
 Distinct plans: two plans of a model count once when their layouts are the same (the
 plan's specs with mesh axes named by their place in the device order, so 1x8, 8x1 and 8
@@ -513,6 +514,25 @@ def dedupe(rows: Sequence[dict]) -> list[dict]:
 # --- part 1: audited plans ----------------------------------------------------------------
 
 
+
+def _copies_s(plan) -> list[float]:
+    """Per stage, the seconds per micro-batch of its transfers that no compiled program
+    holds: the copies of the activations it receives and of the cotangents it sends back
+    (the re-layouts before and after a copy run inside the stages' forward and backward
+    programs, which the audit prices already).  Plans without transfer records: the
+    stages' whole `transfer_s`."""
+    records = plan.solver.get("transfers") if isinstance(plan.solver, dict) else None
+    if not records:
+        return [st.transfer_s for st in plan.stages]
+    out = [0.0] * len(plan.stages)
+    for r in records:
+        if r["what"] == "activation":
+            out[r["to_stage"]] += r["copy_s"]
+        elif r["what"] == "cotangent":
+            out[r["from_stage"]] += r["copy_s"]
+    return out
+
+
 class Auditor:
     """Searches, compiles and audits plans; keeps each plan (JSON) for the replay under the
     other scheduler."""
@@ -619,8 +639,8 @@ class Auditor:
             by_program[name] = (by_program.get(name, 0.0)
                                 + audit.price(self.bytes_cluster)["communication_s"] * calls)
             latency += audit.price(self.latency_cluster)["communication_s"] * calls
-        stage_s = [per_micro[s] + once[s] / micro + st.transfer_s
-                   for s, st in enumerate(plan.stages)]
+        stage_s = [per_micro[s] + once[s] / micro + t
+                   for s, t in enumerate(_copies_s(plan))]
         audit_step = (sum(stage_s) + (micro - 1) * max(stage_s)
                       + plan.solver.get("per_step_transfer_s", 0.0))
         replay_s = [r["clusters"][0]["step_s"] + st.transfer_s
