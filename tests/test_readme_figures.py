@@ -58,6 +58,10 @@ ALLOWED = {
     "1.05x": "a budget the memory test sets (tests/test_memory_budget.py), a setting",
     "10%": "the tolerance the accuracy report counts within, a setting",
     "16 GiB": "a V100's memory, a datasheet figure",
+    "1 MiB": "the largest output a multi-process pipeline returns on every process "
+             "(autopar/runtime.py EVERYWHERE_MAX_BYTES), a setting",
+    "120 s": "the bound on one cross-process copy (autopar/transfer.py TRANSFER_TIMEOUT_S), "
+             "a setting",
     "60 s": "JAX's heartbeat / the launcher's initialization timeout, settings",
     "10 s": "the launcher's heartbeat timeout, a setting",
     "300 s": "JAX's initialization timeout, a setting",
