@@ -389,6 +389,9 @@ class BuildCache:
     def __init__(self) -> None:
         self._entries: dict[tuple, list[tuple[Graph, MeshContext, _ProblemBuilder]]] = {}
         self._buffers: dict[tuple[int, bool], tuple[Graph, mem.BufferInfo]] = {}
+        # Per logical mesh: the dot strategies every build on it has enumerated
+        # (`_ProblemBuilder.dot_strategies`), shared by the layers of one search.
+        self._dots: dict[tuple[int, ...], list[tuple[MeshContext, dict]]] = {}
         self.hits = 0
 
     def builder(self, graph: Graph, mesh: MeshContext, forced: Mapping[int, Spec] | None,
@@ -407,7 +410,13 @@ class BuildCache:
         bkey = (id(graph), _cpu_buffers(mesh))
         found = self._buffers.get(bkey)
         shared = found[1] if found is not None and found[0] is graph else None
-        base = _built(graph, mesh, forced, ties, batch_size, comm_scale, buffers=shared)
+        dots = self._dots.setdefault(mesh.shape, [])
+        memo = next((d for m, d in dots if m == mesh), None)
+        if memo is None:
+            memo = {}
+            dots.append((mesh, memo))
+        base = _built(graph, mesh, forced, ties, batch_size, comm_scale, buffers=shared,
+                      dots=memo)
         if shared is None:
             self._buffers[bkey] = (graph, base.buffers)
         entries.append((graph, mesh, base))
@@ -423,10 +432,13 @@ def _cpu_buffers(mesh: MeshContext) -> bool:
 def _built(graph: Graph, mesh: MeshContext, forced: Mapping[int, Spec] | None,
            ties: Sequence[tuple[int, int]], batch_size: int | None,
            comm_scale: Mapping[int, float] | None = None,
-           buffers: mem.BufferInfo | None = None) -> _ProblemBuilder:
+           buffers: mem.BufferInfo | None = None,
+           dots: dict | None = None) -> _ProblemBuilder:
     """The problem builder with every group and edge, ties included (`buffers`: the
-    graph's `memory.analyze`, when the caller has it)."""
-    builder = _ProblemBuilder(graph, mesh, dict(forced or {}), batch_size, comm_scale, buffers)
+    graph's `memory.analyze`, when the caller has it; `dots`: a dot-strategy memo shared
+    with other builds on the same mesh, `_ProblemBuilder.dot_strategies`)."""
+    builder = _ProblemBuilder(graph, mesh, dict(forced or {}), batch_size, comm_scale, buffers,
+                              dots)
     builder.build()
     for pos, in_vid in ties:
         out = graph.outvars[pos]
@@ -453,7 +465,7 @@ def _peak_memory(problem: ShardingProblem, choice: Sequence[int]) -> float:
 class _ProblemBuilder:
     def __init__(self, graph: Graph, mesh: MeshContext, forced: dict[int, Spec],
                  batch_size: int | None, comm_scale: Mapping[int, float] | None = None,
-                 buffers: mem.BufferInfo | None = None):
+                 buffers: mem.BufferInfo | None = None, dots: dict | None = None):
         self.graph = graph
         self.mesh = mesh
         self.forced = forced
@@ -477,6 +489,11 @@ class _ProblemBuilder:
         # of every operand.
         self.requirements: list[tuple[int, int, int, int, list]] = []
         self._buffers = buffers  # memory.analyze(graph), computed when first asked
+        self._dots = {} if dots is None else dots  # see `dot_strategies`
+        self._follows: dict[tuple, dict] = {}  # see `add_follower`
+        self._tables: dict[tuple, np.ndarray] = {}  # see `require`
+        # Answers these three memos gave instead of computing them again (`MEMOIZE`).
+        self.memo_hits = {"dot": 0, "follow": 0, "table": 0}
         self.aliased: set[int] = set()   # outputs written into their donated input
         self.tie_pairs: list[tuple[int, int]] = []  # (output value, input value it replaces)
 
@@ -535,9 +552,16 @@ class _ProblemBuilder:
         nbytes = self.graph.values[vid].nbytes
         src_index, src_specs = _distinct(self.specs[vid])
         req_index, req_specs = _distinct(required)
-        table = np.array([[self.reshard_cost(a, b, nbytes) for b in req_specs]
-                          for a in src_specs], dtype=np.float64).reshape(
-                              len(src_specs), len(req_specs))
+        tkey = (nbytes, tuple(src_specs), tuple(req_specs))
+        table = self._tables.get(tkey) if MEMOIZE else None
+        if table is None:
+            table = np.array(
+                [[self.reshard_cost(a, b, nbytes) for b in req_specs] for a in src_specs],
+                dtype=np.float64).reshape(len(src_specs), len(req_specs))
+            if MEMOIZE:
+                self._tables[tkey] = table
+        else:
+            self.memo_hits["table"] += 1
         if gu == gv:
             g = self.groups[gu]
             g.comm_s += table[src_index, req_index]
@@ -617,14 +641,29 @@ class _ProblemBuilder:
         out_specs: list[list[Spec]] = [[] for _ in eqn.outputs]
         in_specs: list[list[Spec | None]] = [[] for _ in eqn.inputs]
         compute, comm = np.zeros(group.num_strategies), np.zeros(group.num_strategies)
-        # The rule's answer depends only on the leader's spec: once per distinct spec.
+        # The rule's answer depends only on the leader's spec: once per distinct spec, and
+        # for the table's own rules once per equation signature (`_follow_key`: repeated
+        # blocks of a model repeat their equations).
+        key = _follow_key(info, rule, lead) if MEMOIZE else None
+        shared: dict[Spec, tuple[st.FollowResult, float]] = (
+            {} if key is None else self._follows.setdefault(key, {}))
         done: dict[Spec, tuple[st.FollowResult, float]] = {}
         for i in range(group.num_strategies):
             hit = done.get(lead_specs[i])
+            if hit is None and lead_specs[i] in shared:
+                hit = shared[lead_specs[i]]
+                self.memo_hits["follow"] += 1
             if hit is None:
-                res = _safe_follow(rule, info, lead, lead_specs[i], self.mesh)
+                try:
+                    res = rule.follow(info, lead, lead_specs[i], self.mesh)
+                    ok = True
+                except Exception:  # reported, with this equation's line, by _safe_follow
+                    res, ok = _safe_follow(rule, info, lead, lead_specs[i], self.mesh), False
                 shards = self.mesh.shards(res.out_specs[0]) if res.out_specs else 1
-                hit = done[lead_specs[i]] = (res, st.compute_s(info, shards, self.mesh))
+                hit = (res, st.compute_s(info, shards, self.mesh))
+                if ok:
+                    shared[lead_specs[i]] = hit
+            done[lead_specs[i]] = hit
             res, compute[i] = hit
             for k, s in enumerate(res.out_specs):
                 out_specs[k].append(s)
@@ -646,7 +685,8 @@ class _ProblemBuilder:
         strategies: list[st.Strategy] = []
         if rule is not None and rule.kind == "enumerate":
             try:
-                strategies = rule.enumerate(info, self.mesh)
+                strategies = (self.dot_strategies(info) if rule.enumerate is st.enumerate_dot
+                              else rule.enumerate(info, self.mesh))
             except Exception as err:  # a rule bug must never break planning
                 fallbacks.report("intra-op", f"the strategy rule for {eqn.name!r} raised "
                                  f"{type(err).__name__}: {err}; replicated", eqn.where())
@@ -668,6 +708,24 @@ class _ProblemBuilder:
                 self.require(op, gid, required, consumer_is_group=True, eqn=eqn.index,
                              position=k)
                 self.operand_requirements.append((eqn.index, k, op, gid, required))
+
+    def dot_strategies(self, info: st.EqnInfo) -> list[st.Strategy]:
+        """`enumerate_dot(info, mesh)`, memoized on everything it reads (dimension numbers,
+        shapes, bytes, FLOPs, output dtype; the mesh is the builder's): a transformer's
+        blocks repeat the same matmuls, within a layer and across the layers of a search
+        (GPT-39B: a quarter of the layer-ILP build time went to enumerating them again)."""
+        eqn = info.eqn
+        key = (info.params["dimension_numbers"], info.in_shapes, info.out_shapes,
+               info.in_nbytes, info.out_nbytes, eqn.flops, eqn.bytes_accessed,
+               info.fused_bytes, info.eqn_out_dtype)
+        found = self._dots.get(key) if MEMOIZE else None
+        if found is None:
+            found = st.enumerate_dot(info, self.mesh)
+            if MEMOIZE:
+                self._dots[key] = found
+        else:
+            self.memo_hits["dot"] += 1
+        return list(found)
 
     def uncombined_alpha_s(self, eqn, strategy: st.Strategy) -> float:
         """The latency a partial-sum reduction pays beyond its share of a combined bucket
@@ -824,6 +882,33 @@ def _dedupe(strategies: list[st.Strategy]) -> list[st.Strategy]:
         if key not in best or s.compute_s + s.comm_s < best[key].compute_s + best[key].comm_s:
             best[key] = s
     return list(best.values())
+
+
+# Whether problem builds reuse the strategies and resharding tables of equal equations
+# (`_ProblemBuilder.dot_strategies`, `add_follower`, `require`): exact, as the keys hold all
+# the rules read; False rebuilds every one (the tests' reference).
+MEMOIZE = True
+
+# Follow rules that read only the equation's name, params, shapes and bytes (`_follow_key`).
+_PURE_FOLLOWS = frozenset({st.follow_elementwise, st.follow_reduce, st.follow_transpose,
+                           st.follow_squeeze, st.follow_broadcast, st.follow_reshape})
+
+
+def _follow_key(info: st.EqnInfo, rule: st.StrategyRule, lead: int) -> tuple | None:
+    """Everything a pure follow rule and `st.compute_s` read of `info` (None: not a pure
+    rule, or params that do not hash): equations with equal keys follow alike."""
+    if rule.follow not in _PURE_FOLLOWS:
+        return None
+    eqn = info.eqn
+    key = (rule.follow, eqn.name, tuple(sorted(eqn.params.items())), lead, info.in_shapes,
+           info.out_shapes, info.in_nbytes, info.out_nbytes, info.in_fixed,
+           info.in_from_broadcast, info.batch_size, eqn.flops, eqn.bytes_accessed,
+           info.fused_bytes, info.eqn_out_dtype)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _safe_follow(rule: st.StrategyRule, info: st.EqnInfo, lead: int, spec: Spec,

@@ -451,6 +451,44 @@ def test_build_cache_reuses_a_build_without_sharing_value_costs():
                                                    **kw).builder.buffers
 
 
+def test_build_memos_give_the_unmemoized_problem(monkeypatch):
+    """A model's repeated blocks repeat their equations: a build reuses the strategies of
+    equal matmuls (shared by the builds on one mesh through a `BuildCache`), followers and
+    resharding tables (issue 47 item 4: a quarter to a half of GPT-39B's layer-ILP build
+    time).  The problems equal those built with `MEMOIZE` off, and the memos were used."""
+    from autopar.passes import intra_op
+
+    def blocks(x, w1, w2, n=3):
+        for _ in range(n):
+            x = x + jnp.tanh(x @ w1) @ w2
+        return jnp.sum(x)
+
+    args = jnp.ones((64, 32)), jnp.ones((32, 128)), jnp.ones((128, 32))
+    graphs = [_graph(blocks, *args), _graph(functools.partial(blocks, n=4), *args)]
+
+    def problems():
+        cache = intra_op.BuildCache()
+        out = []
+        for mesh in (MESH_1D, MESH_2D):
+            for graph in graphs:
+                pending = intra_op.start(graph, mesh, time_limit_s=5.0, builds=cache,
+                                         comm_scale={0: 0.25})
+                out.append((pending.problem, pending.builder.memo_hits))
+        return out
+
+    memoized = problems()
+    monkeypatch.setattr(intra_op, "MEMOIZE", False)
+    plain = problems()
+    for (a, hits), (b, none) in zip(memoized, plain):
+        assert a.edges.tolist() == b.edges.tolist()
+        for x, y in zip(a.node_costs + a.edge_costs + a.node_usages,
+                        b.node_costs + b.edge_costs + b.node_usages):
+            np.testing.assert_array_equal(x, y)
+        assert hits["follow"] > 0 and hits["table"] > 0 and not any(none.values())
+    # 3 blocks: 2 of 6 matmuls enumerated; 4 blocks on the same mesh: none of 8.
+    assert [m[1]["dot"] for m in memoized[:2]] == [4, 8]
+
+
 def test_every_scan_and_reduction_with_a_strategy_has_a_flop_rule():
     """The primitives the strategy table treats as reductions or cumulative scans are
     priced by their input elements (cummin and reduce_xor had a strategy and no FLOPs)."""
