@@ -134,11 +134,17 @@ def test_a_misordered_transfer_ends_every_process_with_a_named_error(tmp_path):
 
 
 def test_a_rank_stopping_mid_step_ends_the_pipeline_with_a_named_error(tmp_path):
+    # Rank 1 is SIGKILLed during step 1.  Rank 0 ends by itself with a named error: the
+    # copy it waits for fails (TransferError, gloo's "connection closed"; then it may exit
+    # in the same instant as rank 1, and the launcher names either first) or JAX's runtime
+    # stops it on rank 1's missed heartbeats.
     result = run_processes(USER, tmp_path, "--stop-rank", "1", "--stop-step", "1",
                            expect_ok=False, grace_s=90.0, timeout_s=180)
-    assert result.failed_rank == 1 and result.returncode == 128 + 9, report(result)
-    other = result.ranks[0]
+    killed, other = result.ranks[1], result.ranks[0]
+    assert result.returncode != 0 and "SIGKILL" in killed.describe(), report(result)
     assert not other.ok and not other.stopped_by_launcher, report(result)
-    took = other.exit_s - result.ranks[1].exit_s
+    assert ("TransferError" in other.output or "another process died" in other.describe()), \
+        report(result, [0])
+    took = other.exit_s - killed.exit_s
     assert took < 60, report(result)
     print(f"rank 0 ended {took:.1f} s after rank 1 stopped: {other.describe()}")
