@@ -128,7 +128,7 @@ def to_every_process(x: jax.Array, whole: NamedSharding) -> jax.Array:
     row = devices.index(first)
     held = {s.device: s.data for s in x.addressable_shards}
     pieces = [held[d][None] if d == first else
-              jax.device_put(np.zeros((1,) + x.shape, x.dtype), d)
+              _zeros((1,) + tuple(x.shape), np.dtype(x.dtype), d)
               for d in devices if d.process_index == jax.process_index()]
     rows = jax.make_array_from_single_device_arrays(
         (len(devices),) + x.shape, NamedSharding(whole.mesh, PartitionSpec(
