@@ -88,6 +88,10 @@ METHODS = {"shard": 1, "shard-2mb": MICRO_BATCHES, "pipeshard-1": MICRO_BATCHES,
            "pipeshard-2": MICRO_BATCHES, "pipeshard-4": MICRO_BATCHES}
 # `generate(..., small=True)`: the same draws with at most this many layers (lists are
 # truncated): programs that compile in about half the time (the CI test's cases).
+# `generate(..., scale=k)`: the same draws with these sizes multiplied by k (model widths
+# and the batch; depths, sequence lengths and expert counts unchanged), e.g. scale 4 gives
+# steps of tens of ms on 8 CPU devices, the size benchmarks.runtime_overhead measures.
+SCALED = ("batch", "in_features", "widths", "dim", "ffn", "channels", "vocab")
 SMALL = {"widths": 2, "blocks": 1, "length": 2, "layers": 1, "channels": 2, "kernels": 2,
          "strides": 2}
 # `movement`: a leaf moved by at most this x the largest move is exempt (Adam moves a leaf
@@ -104,7 +108,8 @@ class Case:
     """One generated train step.
 
     Attributes:
-      name: "<family>-<seed>", "-small" added for small cases (unique per draw).
+      name: "<family>-<seed>", "-small" added for small cases, "-x<k>" for scale k (unique
+        per draw).
       family: one of FAMILIES.
       seed: what it was drawn from.
       config: the drawn configuration (JSON-able).
@@ -354,7 +359,7 @@ def _heads(r: np.random.Generator, dim: int) -> int:
     return _choice(r, [h for h in (1, 2, 4) if dim % h == 0 and dim // h >= 4])
 
 
-def _draw(seed: int, family: str | None, small: bool = False) -> dict:
+def _draw(seed: int, family: str | None, small: bool = False, scale: int = 1) -> dict:
     r = np.random.default_rng([seed, 43])
     fam = FAMILIES[seed % len(FAMILIES)] if family is None else family
     if fam not in FAMILIES:
@@ -408,6 +413,13 @@ def _draw(seed: int, family: str | None, small: bool = False) -> dict:
                 cfg[key] = cfg[key][:cap]
             elif key in cfg:
                 cfg[key] = min(cfg[key], cap)
+    if scale != 1:
+        cfg["scale"] = scale
+        for key in SCALED:
+            if isinstance(cfg.get(key), list):
+                cfg[key] = [v * scale for v in cfg[key]]
+            elif key in cfg:
+                cfg[key] *= scale
     return cfg
 
 
@@ -485,10 +497,14 @@ def _batches(seed: int, cfg: dict) -> Callable[[int], dict]:
     return batch
 
 
-def generate(seed: int, family: str | None = None, *, small: bool = False) -> Case:
+def generate(seed: int, family: str | None = None, *, small: bool = False,
+             scale: int = 1) -> Case:
     """The train step drawn from `seed`: family FAMILIES[seed % 6] unless `family` is given
-    (every other draw is the same either way); `small`: capped at SMALL layers."""
-    cfg = _draw(seed, family, small)
+    (every other draw is the same either way); `small`: capped at SMALL layers; `scale`: the
+    SCALED sizes multiplied by it (a positive integer)."""
+    if not isinstance(scale, int) or scale < 1:
+        raise ValueError(f"generate(scale={scale!r}): expected a positive integer")
+    cfg = _draw(seed, family, small, scale)
     fam = cfg["family"]
     model, tx, batch = _model(cfg), _optimizer(cfg), _batches(seed, cfg)
     mutable = fam == "conv_bn"
@@ -540,7 +556,7 @@ def generate(seed: int, family: str | None = None, *, small: bool = False) -> Ca
             host.append(jax.device_get(state))
         return jax.tree.map(jnp.asarray, host[0])
 
-    name = f"{fam}-{seed}" + ("-small" if small else "")
+    name = f"{fam}-{seed}" + ("-small" if small else "") + (f"-x{scale}" if scale != 1 else "")
     return Case(name, fam, seed, cfg, make_step, init, batch, cfg["batch"],
                 make_step(autopar.value_and_grad))
 
