@@ -14,7 +14,7 @@ import math
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
@@ -22,6 +22,24 @@ from . import devices as _devices
 from .jsonio import write_json_atomic
 
 FORMAT_VERSION = 1
+
+Backend: TypeAlias = Literal["cpu", "gpu", "tpu"]
+"""The XLA backend that compiles a cluster's programs (which collectives it runs natively:
+`collectives.LOWERINGS`)."""
+
+#: The backend of a device kind: the first pattern (case-insensitive) that matches it.  A kind
+#: matching none is a GPU (every kind of `devices.DEVICE_KINDS`, and a profiled GPU kind the
+#: table lacks); CPU clusters are named ``"cpu"`` by every constructor (presets, cpu-local,
+#: ``from_devices``, the profiler).
+_BACKEND_PATTERNS: tuple[tuple[str, Backend], ...] = ((r"^cpu$", "cpu"), (r"tpu", "tpu"))
+
+
+@functools.lru_cache(maxsize=64)
+def backend_of(device_kind: str) -> Backend:
+    """The XLA backend of `device_kind` (``"cpu"``, ``"gpu"`` or ``"tpu"``; memoized: the
+    planner prices collectives millions of times)."""
+    return next((backend for pattern, backend in _BACKEND_PATTERNS
+                 if re.search(pattern, device_kind, re.IGNORECASE)), "gpu")
 
 _PRESET_GRAMMAR = (
     "'[HOSTS x ]DEVICES x KIND' (e.g. '8xA100-80GB', '2x8xA100-80GB'), 'NxCPU' or 'cpu-local'"
@@ -157,6 +175,11 @@ class ClusterSpec:
         return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
 
     # --- queries ------------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> Backend:
+        """The XLA backend of the cluster's devices (`backend_of` its ``device_kind``)."""
+        return backend_of(self.device_kind)
 
     @property
     def num_devices(self) -> int:

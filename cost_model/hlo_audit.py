@@ -28,6 +28,9 @@ Conventions, checked on jax 0.10.2 (CPU):
   device's share S/n of the exchanged tensor — the planner prices all-to-all on the group's
   whole tensor, so this keeps both sides on one definition); collective-permute: a send/recv
   of the operand.
+* Collectives are priced as the cluster's backend runs them (`collectives.LOWERINGS`): on a
+  CPU cluster a ``reduce-scatter`` left in the HLO (shard_map's ``psum_scatter``; the
+  partitioner's own already reads ``all-reduce`` + ``dynamic-slice``) costs an all-reduce.
 * Predicted step time = compute + communication, with no overlap between them.
 """
 
@@ -42,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from . import collectives as _collectives
-from .cluster import ClusterSpec, Link
+from .cluster import Backend, ClusterSpec, Link
 from .compute import compute_time_s
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -102,8 +105,12 @@ class Collective:
             return float(self.operand_bytes * self.group_size)
         return float(self.operand_bytes)
 
-    def seconds(self, links: Sequence[Link], mesh_axes: Sequence[str]) -> float:
-        """α-β seconds on the slowest link among ``axes`` (``links`` per mesh axis)."""
+    def seconds(self, links: Sequence[Link], mesh_axes: Sequence[str],
+                backend: Backend = "gpu") -> float:
+        """α-β seconds on the slowest link among ``axes`` (``links`` per mesh axis), as
+        ``backend`` runs the kind (`collectives.LOWERINGS`: a reduce-scatter kept by XLA:CPU,
+        from a shard_map ``psum_scatter``, costs the all-reduce of its operand; the default,
+        ``"gpu"``, runs every kind natively)."""
         if not self.axes:
             return 0.0
         used = [links[list(mesh_axes).index(a)] for a in self.axes]
@@ -111,7 +118,7 @@ class Collective:
         if self.kind == "collective-permute":
             moves = any(src != dst for src, dst in self.groups)
             return _collectives.send_recv_s(self.nbytes, 2 if moves else 1, link)
-        return _collectives.COLLECTIVES[self.kind](self.nbytes, self.group_size, link)
+        return _collectives.collective_s(self.kind, self.nbytes, self.group_size, link, backend)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -186,7 +193,8 @@ class Audit:
           ``{"name", "kind", "seconds"}`` per collective).
         """
         links = cluster.mesh_axis_links(self.mesh_shape)
-        per = [(c, c.seconds(links, self.mesh_axes) * c.count) for c in self.collectives]
+        per = [(c, c.seconds(links, self.mesh_axes, cluster.backend) * c.count)
+               for c in self.collectives]
         by_kind: dict[str, float] = {}
         for c, s in per:
             by_kind[c.kind] = by_kind.get(c.kind, 0.0) + s

@@ -22,6 +22,18 @@ are clamped to >= 0 (refitting the other). The cluster's ``intra_host`` (``inter
 one such fit over all samples of the axes that stay inside (cross) hosts, all collectives
 together; when no axis crosses hosts the ``inter_host`` link of
 :meth:`ClusterSpec.from_devices` is kept. Dtypes not measured keep the ``from_devices`` figure.
+
+Lowerings (`collectives.LOWERINGS`): the samples are shard_map collectives, which every
+backend keeps as the kind asked for — on CPU a ``psum_scatter`` compiles to a native
+``reduce-scatter``, and it measured no faster than the ``psum`` of the same buffer (1.3-1.5x
+at 1-16 MiB on 4 devices), which is why the time model prices a CPU reduce-scatter as an
+all-reduce.  The cluster's links are fitted with each sample at the factor of the kind the
+time model prices it as (``factor(kind, n, backend)``: a CPU reduce-scatter at the
+all-reduce's 2(n−1)/n), so those samples agree with the formula that will use the link; at
+the native (n−1)/n they would read as a link twice as slow and raise β for every kind, and
+the planner, pricing the reduce-scatter as an all-reduce on top, would count its extra
+volume twice.  The per-kind ``fits`` keep each kind's native factor (they describe what was
+measured).
 """
 
 from __future__ import annotations
@@ -42,7 +54,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .cluster import ClusterSpec, Link
+from .cluster import Backend, ClusterSpec, Link
+from .collectives import lowered_kind
 from .jsonio import write_json_atomic
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -61,10 +74,13 @@ Progress = Callable[[int, int, str], None]
 """``progress(done, total, label)``: called before each measurement and once at the end."""
 
 
-def factor(collective: str, n: int) -> float:
-    """The α-β bandwidth factor of ``collective`` on ``n`` devices (S·β is multiplied by it)."""
+def factor(collective: str, n: int, backend: Backend | None = None) -> float:
+    """The α-β bandwidth factor of ``collective`` on ``n`` devices (S·β is multiplied by it);
+    with ``backend``, of the kind that backend runs it as (`collectives.lowered_kind`)."""
     if n <= 1:
         return 0.0
+    if backend is not None:
+        collective = lowered_kind(collective, backend)
     return {
         "all-reduce": 2.0 * (n - 1) / n,
         "all-gather": (n - 1) / n,
@@ -266,8 +282,10 @@ def _errors(alpha: float, beta: float, x: np.ndarray, t: np.ndarray) -> tuple[fl
     return float(np.max(rel)), float(np.median(rel))
 
 
-def _fit_record(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    x = np.array([factor(r["collective"], r["group_size"]) * r["nbytes"] for r in rows])
+def _fit_record(rows: list[dict[str, Any]], backend: Backend | None = None) -> dict[str, Any]:
+    """α-β fit of `rows` (each at `factor(kind, n, backend)`) and its errors."""
+    x = np.array([factor(r["collective"], r["group_size"], backend) * r["nbytes"]
+                  for r in rows])
     t = np.array([r["seconds"] for r in rows])
     alpha, beta = fit_alpha_beta(x, t)
     max_err, med_err = _errors(alpha, beta, x, t)
@@ -290,7 +308,8 @@ def _fit_cluster(base: ClusterSpec, samples, compute_samples):
     by_link: dict[str, list[dict[str, Any]]] = {"intra_host": [], "inter_host": []}
     for s in samples:
         by_link["inter_host" if s["crosses_hosts"] else "intra_host"].append(s)
-    fitted = {name: _fit_record(rows) for name, rows in by_link.items() if rows}
+    # Each sample at the factor of the kind the time model prices it as (module docstring).
+    fitted = {name: _fit_record(rows, base.backend) for name, rows in by_link.items() if rows}
     new_links = {
         name: Link(rec["alpha_s"], rec["beta_s_per_byte"]) for name, rec in fitted.items()
     }

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from autopar.cost_model import collectives
 from autopar.cost_model.units import format_bytes
 from autopar.graph import Graph, Lit, Value, is_numeric
 
@@ -426,7 +427,13 @@ class BuildCache:
 def _cpu_buffers(mesh: MeshContext) -> bool:
     """`memory.analyze`'s `cpu` argument for a problem on `mesh` (and BuildCache's key for
     sharing that analysis)."""
-    return mesh.cluster.device_kind == "cpu"
+    return mesh.backend == "cpu"
+
+
+def _scatter_as_all_reduce(mesh: MeshContext) -> bool:
+    """Whether `mesh`'s backend runs a reduce-scatter as an all-reduce and a slice
+    (`collectives.LOWERINGS`): its result then keeps the unscattered size in memory."""
+    return collectives.lowered_kind("reduce-scatter", mesh.backend) == "all-reduce"
 
 
 def _built(graph: Graph, mesh: MeshContext, forced: Mapping[int, Spec] | None,
@@ -862,7 +869,7 @@ class _ProblemBuilder:
                                         until=info.horizon))
         return dict(value_bytes=value_bytes, aliased=self.aliased, partial=partial,
                     reshards=reshards,
-                    scatter_as_all_reduce=self.mesh.cluster.device_kind == "cpu")
+                    scatter_as_all_reduce=_scatter_as_all_reduce(self.mesh))
 
 
 def _distinct(specs: Sequence[Spec | None]) -> tuple[np.ndarray, list[Spec | None]]:

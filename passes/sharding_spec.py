@@ -14,6 +14,8 @@ import math
 from collections.abc import Iterator, Sequence
 
 from autopar.cost_model import ClusterSpec, Link, collectives
+from autopar.cost_model.cluster import Backend
+from autopar.cost_model.collectives import CollectiveKind
 
 Spec = tuple[tuple[str, ...], ...]
 
@@ -101,27 +103,46 @@ class MeshContext:
             return link
         return dataclasses.replace(link, alpha_s=link.alpha_s * min(1.0, nbytes / COMBINE_BYTES))
 
+    @functools.cached_property
+    def backend(self) -> Backend:
+        """The XLA backend of the mesh's devices: which collectives run as which
+        (`collectives.LOWERINGS`)."""
+        return self.cluster.backend
+
+    def collective_s(self, kind: CollectiveKind, nbytes: float, n: int, link: Link) -> float:
+        """Seconds of collective `kind` of S = `nbytes` over `n` devices on `link`, as the
+        mesh's backend runs it (`collectives.collective_s`: a CPU reduce-scatter is an
+        all-reduce)."""
+        return collectives.collective_s(kind, nbytes, n, link, self.backend)
+
     def all_reduce_s(self, nbytes: float, axes: Sequence[str]) -> float:
         """All-reduce of `nbytes` over `axes` (partial sums; combined by XLA)."""
         if not axes:
             return 0.0
-        return collectives.all_reduce_s(nbytes, self.dim_shards(axes),
-                                        self.group_link(axes, nbytes))
+        return self.collective_s("all-reduce", nbytes, self.dim_shards(axes),
+                                 self.group_link(axes, nbytes))
 
     def all_gather_s(self, nbytes: float, axes: Sequence[str]) -> float:
         """Gathering a value whose full size is `nbytes` over `axes`."""
         if not axes:
             return 0.0
-        return collectives.all_gather_s(nbytes, self.dim_shards(axes), self.group_link(axes))
+        return self.collective_s("all-gather", nbytes, self.dim_shards(axes),
+                                 self.group_link(axes))
 
     def reduce_scatter_s(self, nbytes: float, axes: Sequence[str]) -> float:
+        """Reduce-scattering partial sums of `nbytes` (the whole input per device) over
+        `axes`, as the backend runs it: on XLA:CPU an all-reduce of the whole input and a
+        local slice (`collectives.LOWERINGS`), elsewhere the native ring (half the
+        all-reduce's volume)."""
         if not axes:
             return 0.0
-        return collectives.reduce_scatter_s(nbytes, self.dim_shards(axes),
-                                            self.group_link(axes, nbytes))
+        return self.collective_s("reduce-scatter", nbytes, self.dim_shards(axes),
+                                 self.group_link(axes, nbytes))
 
     def all_to_all_s(self, nbytes: float, axes: Sequence[str]) -> float:
-        return sum(collectives.all_to_all_s(nbytes, self.size(a), self.link(a)) for a in axes)
+        """All-to-all of a group tensor of `nbytes` over each of `axes` in turn."""
+        return sum(self.collective_s("all-to-all", nbytes, self.size(a), self.link(a))
+                   for a in axes)
 
 
 def enumerate_specs(shape: Sequence[int], mesh: MeshContext) -> Iterator[Spec]:
@@ -194,8 +215,8 @@ class ReshardStep:
 
 
 _STEP_PRICES = {
-    "collective-permute": lambda mesh, s, axes: collectives.send_recv_s(
-        s, 2, mesh.group_link(axes)),
+    "collective-permute": lambda mesh, s, axes: mesh.collective_s(
+        "send-recv", s, 2, mesh.group_link(axes)),
     "all-gather": lambda mesh, s, axes: mesh.all_gather_s(s, axes),
     "all-to-all": lambda mesh, s, axes: mesh.all_to_all_s(s, axes),
 }
