@@ -27,7 +27,7 @@ import functools
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from autopar.cost_model import ClusterSpec, Link
@@ -143,7 +143,8 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
                       lean: bool = False,
                       memory_price: float = 0.0,
                       retry_time_limit_s: float | None = None,
-                      builds: intra_op.BuildCache | None = None
+                      builds: intra_op.BuildCache | None = None,
+                      neighbours: Neighbours | None = None
                       ) -> Callable[[], dict[tuple[int, ...], _Priced]]:
     """Intra-op plans of one layer range's forward+backward on a sub-mesh, one per logical
     mesh shape (`shapes`, default: 1-D and every 2-D factorization).
@@ -167,6 +168,12 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
     With `memory_price` (seconds per byte per device, `KNEE_FRACTIONS`) every parameter's
     layout also pays for the bytes it keeps on each device (the parameter, its gradient and
     its optimizer state): a point between the two ends.
+
+    With `neighbours` (give one logical `shapes`), the ILP also pays, per micro-batch, for
+    resharding between the layer and the layers next to it (`Neighbours`): its layout is
+    chosen knowing theirs (`search`'s `aligned`).  Those charges are not in the returned
+    `cost_s`: the stage prices the resharding between its layers itself
+    (`internal_reshard_s`).
 
     `layer` is `LayerProgram.build(graph, program, diff, remat=remat)` when the caller
     already has it (one trace serves every sub-mesh).  The problems are built now and
@@ -195,6 +202,7 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
                                   if k >= len(f_ids) or f_ids[k] not in params], batch_size)
                  if forced_batch_axis and batch_size else {})
     pending = []
+    charges: dict[tuple[int, ...], dict[int, Callable[[Spec], float]]] = {}
     for shape in shapes or logical_shapes(submesh):
         mesh = MeshContext.build(shape, sub)
         updates = {fv: _param_cost(update, lean, value.shape, value.nbytes, mesh,
@@ -202,6 +210,9 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
                    for fv, value in param_inputs}
         if batch_led:
             updates = _with_batch_axis_only(updates, batch_led, mesh)
+        if neighbours:
+            charges[shape] = _neighbour_costs(layer, position, graph, neighbours, mesh)
+            updates = _summed(updates, charges[shape])
         forced = {}
         if input_rule is not None:
             for pos, vid in enumerate(fb.invars[:len(position)]):
@@ -220,12 +231,15 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
             value_costs=updates, submit=submit, retry_time_limit_s=retry_time_limit_s,
             builds=builds)))
     def uncharged(p: _Priced) -> _Priced:
-        """The solution's time without the memory price its ILP paid (not seconds the
-        step spends)."""
-        if not memory_price:
-            return p
-        charge = memory_price * _held_bytes(p, program, params, graph, update)
-        return dataclasses.replace(p, cost_s=p.cost_s - charge)
+        """The solution's time without the memory price and the resharding to its
+        neighbours its ILP paid (the first is not seconds the step spends, the stage prices
+        the second)."""
+        charge = memory_price * _held_bytes(p, program, params, graph, update) \
+            if memory_price else 0.0
+        if p.mesh.shape in charges:
+            vs = dict(p.value_specs)
+            charge += sum(fn(vs[v]) for v, fn in charges[p.mesh.shape].items() if v in vs)
+        return dataclasses.replace(p, cost_s=p.cost_s - charge) if charge else p
 
     return lambda: {shape: uncharged(_priced(
         graph, program, layer, position, per_micro_inputs, mesh,
@@ -451,6 +465,101 @@ def _priced(graph: Graph, program: pipeline.StageProgram, layer: LayerProgram,
                               if fb.invars[position[vid]] in residuals))
 
 
+# (spec of a value on one side, spec of its cotangent on the same side or None)
+Sides = Mapping[int, tuple[Spec, Spec | None]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Neighbours:
+    """What the layers next to a layer do with the values it shares with them.
+
+    Attributes:
+      before: range input (F value id) → the spec the layer before makes it in, and the
+        spec that layer wants its cotangent in (None: no cotangent).
+      after: range output → the spec the layer after reads it in, and the spec that layer
+        gives its cotangent in (None: none).
+    """
+
+    before: Sides
+    after: Sides
+
+    def __bool__(self) -> bool:
+        return bool(self.before or self.after)
+
+    def renamed(self, inputs: dict[int, int], outputs: dict[int, int]) -> Neighbours:
+        """The same sides keyed by other ids (an identical layer's: `inputs`, `outputs`
+        map this layer's ids to them)."""
+        return Neighbours({inputs[v]: s for v, s in self.before.items()},
+                          {outputs[v]: s for v, s in self.after.items()})
+
+    def key(self) -> tuple:
+        return tuple(sorted(self.before.items())), tuple(sorted(self.after.items()))
+
+
+def _neighbour_costs(layer: LayerProgram, position: dict[int, int], graph: Graph,
+                     neighbours: Neighbours, mesh: MeshContext
+                     ) -> dict[int, Callable[[Spec], float]]:
+    """`start_price_stage`'s charges for `neighbours`: per value of the layer's
+    forward+backward program, seconds per micro-batch as a function of its spec — an input
+    resharded from the spec it arrives in and its cotangent to the spec wanted; an output
+    resharded to the spec its reader wants and its cotangent from the spec it comes in."""
+    fn, fb = layer.fn, layer.fb
+    cts_out = dict(zip(fn.diff_ids, fb.outvars[layer.num_outs:]))
+    outs = dict(zip(list(fn.float_outs) + list(fn.int_outs), fb.outvars))
+    cts_in = dict(zip(fn.float_outs, fb.invars[len(position):]))
+    into = lambda a, n: lambda spec: reshard_s(a, spec, n, mesh)    # noqa: E731
+    out_of = lambda w, n: lambda spec: reshard_s(spec, w, n, mesh)  # noqa: E731
+    costs: dict[int, Callable[[Spec], float]] = {}
+    for vid, (arrives, wanted_ct) in neighbours.before.items():
+        n = graph.values[vid].nbytes
+        if vid in position:
+            costs = _summed(costs, {fb.invars[position[vid]]: into(arrives, n)})
+        if wanted_ct is not None and isinstance(cts_out.get(vid), int):
+            costs = _summed(costs, {cts_out[vid]: out_of(wanted_ct, n)})
+    for vid, (read, given_ct) in neighbours.after.items():
+        n = graph.values[vid].nbytes
+        if isinstance(outs.get(vid), int):
+            costs = _summed(costs, {outs[vid]: out_of(read, n)})
+        if given_ct is not None and vid in cts_in:
+            costs = _summed(costs, {cts_in[vid]: into(given_ct, n)})
+    return costs
+
+
+def _summed(a: Mapping[int, Callable[[Spec], float]], b: Mapping[int, Callable[[Spec], float]]
+            ) -> dict[int, Callable[[Spec], float]]:
+    """Per value, the sum of the cost functions of `a` and `b`."""
+    out = dict(a)
+    for v, f in b.items():
+        g = out.get(v)
+        out[v] = f if g is None else functools.partial(lambda f1, f2, spec: f1(spec) + f2(spec),
+                                                         g, f)
+    return out
+
+
+def neighbour_reshard_s(p: _Priced, program: pipeline.StageProgram, graph: Graph,
+                        neighbours: Neighbours) -> float:
+    """Seconds per micro-batch of resharding between layer solution `p` and its
+    `neighbours`, both ways (what `internal_reshard_s` charges at those boundaries)."""
+    total = 0.0
+    for k, vid in enumerate(program.inputs):
+        if vid in neighbours.before:
+            arrives, wanted_ct = neighbours.before[vid]
+            n = graph.values[vid].nbytes
+            total += reshard_s(arrives, p.input_specs[k], n, p.mesh)
+            ct = p.ct_out_specs[k] if p.ct_out_specs else None
+            if wanted_ct is not None and ct is not None:
+                total += reshard_s(ct, wanted_ct, n, p.mesh)
+    for k, vid in enumerate(program.outputs):
+        if vid in neighbours.after:
+            read, given_ct = neighbours.after[vid]
+            n = graph.values[vid].nbytes
+            total += reshard_s(p.output_specs[k], read, n, p.mesh)
+            ct = p.ct_in_specs[k] if p.ct_in_specs else None
+            if given_ct is not None and ct is not None:
+                total += reshard_s(given_ct, ct, n, p.mesh)
+    return total
+
+
 def _residuals(fb: Graph, num_primal_outs: int, kept_inputs: set[int]) -> set[int]:
     """The values the forward keeps for the backward (one micro-batch in flight): values
     produced up to the forward's last output (the first `num_primal_outs` outputs), and the
@@ -630,7 +739,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         for shape in options[0]:
             if any(shape not in o for o in options):
                 continue
-            priced = [o[shape] for o in options]
+            priced = aligned(i, j, submesh, level, shape, [o[shape] for o in options])
             # The layer ILPs priced the updates under the first mode (splitting where it
             # pays), once per layer reading a parameter: the stage takes theirs off and
             # prices its own, each parameter once, under each mode ("all": every state
@@ -644,11 +753,84 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                                                         splits[m], micro), splits[m]))
         return out
 
-    layer_updates: dict[tuple[int, tuple[int, int], tuple[int, ...]], float] = {}
+    # Each layer's ILP chose the layouts of the values it shares with its neighbours
+    # freely; where that leaves resharding, the layer is solved again paying for it
+    # (`start_price_stage`'s `neighbours`: the layer before as chosen, the layer after as
+    # its own ILP chose, when it is in the stage), and the stage takes whichever of the two
+    # costs less with the resharding.  Per (first layer, sub-mesh, level, logical shape):
+    # the chain's solutions of layers with a next layer in the stage so far (each depends
+    # only on those before it and the next layer's own solution, so a longer range extends
+    # a shorter one), and what they make.
+    chains: dict[tuple, tuple[list[_Priced], dict[int, tuple[Spec, Spec | None]]]] = {}
+    neighbour_solves: dict[tuple, _Priced | None] = {}
+
+    def aligned(i: int, j: int, submesh: tuple[int, int], level: int,
+                shape: tuple[int, ...], free: list[_Priced]) -> list[_Priced]:
+        """Layers i..j's solutions on `shape`, each aligned to its neighbours in the stage
+        where that is cheaper (`align_layer`)."""
+        inner, made = chains.setdefault((i, submesh, level, shape), ([], {}))
+
+        def before(k: int) -> dict[int, tuple[Spec, Spec | None]]:
+            return {vid: made[vid] for vid in layer_programs[k].inputs if vid in made}
+
+        for k in range(i + len(inner), j):
+            p = align_layer(k, submesh, level, shape, free[k - i], before(k),
+                            reads_after(k, submesh, level, shape))
+            inner.append(p)
+            for n, vid in enumerate(layer_programs[k].outputs):
+                made[vid] = (p.output_specs[n], p.ct_in_specs[n] if p.ct_in_specs else None)
+        last = align_layer(j, submesh, level, shape, free[j - i], before(j), {})
+        return inner[:j - i] + [last]
+
+    def reads_after(k: int, submesh: tuple[int, int], level: int, shape: tuple[int, ...]
+                    ) -> dict[int, tuple[Spec, Spec | None]]:
+        """Layer k's outputs that layer k + 1 reads: the spec its own solution reads each
+        in and gives its cotangent in."""
+        if k + 1 >= lay.num_layers:
+            return {}
+        nxt = layer_options(k + 1, submesh, level).get(shape)
+        if nxt is None:
+            return {}
+        prog = layer_programs[k + 1]
+        made = set(layer_programs[k].outputs)
+        return {vid: (nxt.input_specs[n], nxt.ct_out_specs[n] if nxt.ct_out_specs else None)
+                for n, vid in enumerate(prog.inputs) if vid in made}
+
+    def align_layer(k: int, submesh: tuple[int, int], level: int, shape: tuple[int, ...],
+                    free: _Priced, before: dict[int, tuple[Spec, Spec | None]],
+                    after: dict[int, tuple[Spec, Spec | None]]) -> _Priced:
+        prog = layer_programs[k]
+        sides = Neighbours(before, after)
+        if not sides or neighbour_reshard_s(free, prog, graph, sides) <= 0.0:
+            return free
+        # Identical layers share the first one's trace and solve: its value ids.
+        pkey = program_keys[k]
+        first, traced = traced_layers[pkey]
+        renamed = sides.renamed(dict(zip(prog.inputs, first.inputs)),
+                                dict(zip(prog.outputs, first.outputs)))
+        key = (pkey, submesh, level, shape, renamed.key())
+        if key not in neighbour_solves:
+            solved = start_price_stage(
+                graph, first, diff, cluster, submesh, forced_batch_axis=layout.batch_axis,
+                shapes=[shape], remat=split.remat, num_micro_batches=method.num_micro_batches,
+                layer=traced, submit=submit, lean=level == LEAN,
+                memory_price=(KNEE_FRACTIONS[level - 1] * knee_of(submesh)
+                              if 0 < level < LEAN else 0.0),
+                builds=builds, neighbours=renamed, **layer_kw)().get(shape)
+            neighbour_solves[key] = solved if solved is not None and \
+                solved.cost_s < LEAN_PENALTY_S else None
+        other = neighbour_solves[key]
+        if other is None:
+            return free
+        return min((free, other),
+                   key=lambda q: q.cost_s + neighbour_reshard_s(q, prog, graph, sides))
+
+    layer_updates: dict[tuple[int, tuple[int, int], tuple[int, ...], int], float] = {}
 
     def layer_updates_s(k: int, submesh: tuple[int, int], p: _Priced) -> float:
-        """The updates layer k's ILP charged (under the first mode) on this logical mesh."""
-        key = (k, submesh, p.mesh.shape)
+        """The updates layer k's ILP charged (under the first mode) on this logical mesh
+        (`p`: a solution kept alive by the caches above, so its id is its own)."""
+        key = (k, submesh, p.mesh.shape, id(p))
         if key not in layer_updates:
             layer_updates[key] = updates_s([p], [layer_programs[k]], params, graph,
                                            splits[modes[0]], micro, per_layer=True)

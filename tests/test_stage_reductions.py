@@ -138,7 +138,7 @@ def _conv_case() -> generated.Case:
 CASES = {
     "conv_bn": (lambda: generated.generate(3, family="conv_bn"), cheap_comm_cluster),
     "conv": (_conv_case, cheap_comm_cluster),
-    "moe": (lambda: generated.generate(3, family="moe"), None),
+    "moe": (lambda: generated.generate(3, family="moe"), cheap_comm_cluster),
 }
 # name -> (the method for n micro-batches, the micro-batch counts compiled).  The data-
 # parallel stages' layouts do not depend on the count: 4 micro-batches are compiled, their
