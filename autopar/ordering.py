@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from autopar.passes import fallbacks
 from autopar.passes.sharding_spec import Spec
 
 from .emit import to_pspec
@@ -66,11 +67,13 @@ def after(targets: Sequence[tuple[Any, Spec | None]], sources: Sequence[tuple[An
     depend on every array of `sources` (same pairs).  Float and integer targets are tied
     (an integer one, e.g. the token ids a first layer recomputes from, gets an exact
     integer 0); a boolean target, or a target or source whose layout is unknown or does
-    not split it evenly over `mesh`, is left out (returned as it is)."""
-    tied = [i for i, (x, spec) in enumerate(targets)
-            if (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer))
-            and _local_ok(x, spec, mesh)]
+    not split it evenly over `mesh`, is left out (returned as it is); one left out for a
+    layout that does not split it evenly is reported as a fallback (`_report_uneven`)."""
+    kinds = [i for i, (x, _) in enumerate(targets)
+             if jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)]
+    tied = [i for i in kinds if _local_ok(targets[i][0], targets[i][1], mesh)]
     srcs = [(x, spec) for x, spec in sources if _local_ok(x, spec, mesh)]
+    _report_uneven([targets[i] for i in kinds], sources, mesh, bool(tied), bool(srcs))
     out = [x for x, _ in targets]
     if not tied or not srcs:
         return out
@@ -88,3 +91,40 @@ def after(targets: Sequence[tuple[Any, Spec | None]], sources: Sequence[tuple[An
     for i, x in zip(tied, done):
         out[i] = x
     return out
+
+
+def _uneven(x: Any, spec: Spec | None, mesh: Mesh) -> bool:
+    """Whether `spec` is a layout of `x` (a non-empty array) that does not split it evenly
+    over `mesh` (so `after` cannot tie it block by block)."""
+    return (spec is not None and len(spec) == x.ndim and x.size > 0
+            and not _local_ok(x, spec, mesh))
+
+
+def _report_uneven(targets: Sequence[tuple[Any, Spec | None]],
+                   sources: Sequence[tuple[Any, Spec | None]], mesh: Mesh, any_tied: bool,
+                   any_source: bool) -> None:
+    """Reports a fallback when an order `after` was asked for is dropped because a layout
+    does not split its array evenly: a tieable target (float or integer) left untied while
+    a source remains, or every source left out, one for that reason, while a target would
+    be tied.  The planner prices memory with these orders kept (one layer's backward live
+    at a time); its layouts always split evenly, so this is a layout from elsewhere.  A
+    target or source whose layout is unknown, and a boolean target, are left out silently:
+    ordinary steps have them (a ReLU's boolean mask; scalar and one-element index
+    residuals no layer lays out in the zoo's MLP and GPT): reporting them would flag
+    every model."""
+    def show(pairs: Sequence[tuple[Any, Spec | None]]) -> str:
+        return ", ".join(f"{tuple(x.shape)} as {tuple(spec)}" for x, spec in pairs)
+
+    mesh_s = " x ".join(f"{a}={n}" for a, n in mesh.shape.items())
+    odd_targets = [(x, spec) for x, spec in targets if _uneven(x, spec, mesh)]
+    if odd_targets and any_source:
+        fallbacks.report("ordering", f"{show(odd_targets)} left out of the order that makes "
+                         f"them wait for {len(sources)} value(s): the layout does not split "
+                         f"them evenly over the mesh ({mesh_s}); XLA may compute them "
+                         "earlier and hold them longer than the plan's memory counts")
+    odd_sources = [(x, spec) for x, spec in sources if _uneven(x, spec, mesh)]
+    if odd_sources and not any_source and any_tied:
+        fallbacks.report("ordering", f"no value waits for {show(odd_sources)}: the layout "
+                         f"does not split them evenly over the mesh ({mesh_s}), and no other "
+                         "source is left; XLA may compute the waiting values earlier and "
+                         "hold them longer than the plan's memory counts")

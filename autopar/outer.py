@@ -11,27 +11,32 @@ count and Adam's bias corrections) are recomputed by every segment that reads th
 Layouts: every parameter lives on its owner stage (the first that reads it) in that stage's
 planned layout; its gradient, and every value computed from them by elementwise equations
 of the same shape (optimizer moments, updates, the new parameter) or tied to them as the
-step's new state, take the same layout on the same stage.  Segments are compiled with
-those shardings in and out, so state keeps its layout across steps and nothing is
-replicated by accident; donated state is updated in place.
+step's new state, take the same layout on the same stage (looking inside call equations
+such as `jnp.where`'s).  Segments are compiled with those shardings in and out, so state
+keeps its layout across steps and nothing is replicated by accident; donated state is
+updated in place.  Any other value crossing segments is replicated on its segment's
+stage: what the planner assumes for scalars and small values, a fallback (reported,
+`unplanned_replica`) for one as large as the split value it is computed from.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.extend.core as jcore
 import numpy as np
+from jax._src import source_info_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from autopar.graph import ELEMENTWISE
 from autopar.interpret import run_eqns
 
 from . import transfer
+from .passes import fallbacks
 
 
 @dataclasses.dataclass(eq=False)
@@ -77,16 +82,10 @@ class _Classes:
 def state_layouts(jaxpr: jcore.Jaxpr, eqns: Sequence[int], known: Mapping[Any, tuple[int,
                   Sharding]], ties: Sequence[tuple[Any, Any]]) -> dict[Any, tuple[int, Sharding]]:
     """(stage, sharding) of every variable connected to one with a known layout by
-    same-shape elementwise equations among `eqns` or by `ties` (new state, old state)."""
+    same-shape elementwise equations among `eqns` (also inside call equations, `_connect`)
+    or by `ties` (new state, old state)."""
     classes = _Classes()
-    for i in eqns:
-        e = jaxpr.eqns[i]
-        if e.primitive.name not in ELEMENTWISE or len(e.outvars) != 1:
-            continue
-        out = e.outvars[0]
-        for v in e.invars:
-            if not isinstance(v, jcore.Literal) and v.aval.shape == out.aval.shape:
-                classes.union(v, out)
+    _connect((jaxpr.eqns[i] for i in eqns), classes)
     for a, b in ties:
         if not isinstance(a, jcore.Literal) and not isinstance(b, jcore.Literal):
             classes.union(a, b)
@@ -94,7 +93,7 @@ def state_layouts(jaxpr: jcore.Jaxpr, eqns: Sequence[int], known: Mapping[Any, t
     for v, layout in known.items():
         by_class.setdefault(classes.find(v), layout)
     out: dict[Any, tuple[int, Sharding]] = {}
-    candidates = set(known) | set(classes.parent)
+    candidates = set(known) | {v for v in classes.parent if isinstance(v, jcore.Var)}
     for i in eqns:
         candidates.update(v for v in jaxpr.eqns[i].outvars)
         candidates.update(v for v in jaxpr.eqns[i].invars if not isinstance(v, jcore.Literal))
@@ -103,6 +102,52 @@ def state_layouts(jaxpr: jcore.Jaxpr, eqns: Sequence[int], known: Mapping[Any, t
         if layout is not None:
             out[v] = layout
     return out
+
+
+# Call equations whose body is connected like the program around them: `jnp.where` is a
+# `jit` call (`_where`) of one `select_n`, and an optimizer that picks per parameter with
+# it (Adafactor's parameter-scale floor, RAdam's rectification) would otherwise leave the
+# pick without its parameter's layout: made on another stage, replicated, and moved.
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+          "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr"}
+
+
+def _connect(eqns: Iterable[Any], classes: _Classes, env: dict[Any, Any] | None = None
+             ) -> None:
+    """Unions in `classes` each output of a same-shape elementwise equation of `eqns` with
+    its inputs of that shape, looking inside call equations (`_CALLS`).  `env` names the
+    variables of a call's body by the caller's; the body's other variables get fresh
+    names (a body traced once may be called for several parameters)."""
+    def name(v: Any) -> Any:
+        if env is None:
+            return v
+        if v not in env:
+            env[v] = object()
+        return env[v]
+
+    for e in eqns:
+        sub = e.params.get(_CALLS.get(e.primitive.name, ""))
+        if sub is not None:
+            body = getattr(sub, "jaxpr", sub)
+            inner: dict[Any, Any] = {}
+            for a, b in zip(body.invars, e.invars):
+                if not isinstance(b, jcore.Literal):
+                    inner[a] = name(b)
+            for a, b in zip(body.outvars, e.outvars):
+                if isinstance(a, jcore.Literal):
+                    continue
+                if a in inner:   # an input returned as it is
+                    classes.union(inner[a], name(b))
+                else:
+                    inner[a] = name(b)
+            _connect(body.eqns, classes, inner)
+            continue
+        if e.primitive.name not in ELEMENTWISE or len(e.outvars) != 1:
+            continue
+        out = e.outvars[0]
+        for v in e.invars:
+            if not isinstance(v, jcore.Literal) and v.aval.shape == out.aval.shape:
+                classes.union(name(v), name(out))
 
 
 # A value at most this large (bytes), computed only from values as small that exist before
@@ -222,11 +267,14 @@ def wire(closed: jcore.ClosedJaxpr, segments: list[Segment], needed_later: set[A
     """Fills each segment's inputs, outputs, shardings, donation and jitted function.
 
     A value with a layout (`layouts`) takes it on its stage; any other value a segment
-    reads or makes is replicated on the segment's stage.
+    reads or makes is replicated on the segment's stage, reported as a fallback where
+    `unplanned_replica` says the plan did not price that.
     `donatable`: step input variables the step may overwrite; each is donated to its last
     reader when that segment makes an output of the same shape, dtype and layout for XLA
     to write into (an optimizer moment's buffer may hold `b1 * mu` in one segment)."""
     jaxpr = closed.jaxpr
+    origins = split_origins(jaxpr, sorted({i for seg in segments for i in seg.eqns}), layouts)
+    reported: set[Any] = set()
     readers: dict[Any, list[int]] = {}
     for k, seg in enumerate(segments):
         produced = {v for i in seg.eqns for v in jaxpr.eqns[i].outvars}
@@ -254,6 +302,7 @@ def wire(closed: jcore.ClosedJaxpr, segments: list[Segment], needed_later: set[A
 
         seg.in_shardings = [sharding(v) for v in seg.inputs]
         seg.out_shardings = [sharding(v) for v in seg.outputs]
+        _report_replicas(jaxpr, seg, meshes[seg.stage].size, layouts, origins, reported)
         free = collections.Counter((v.aval.shape, v.aval.dtype, sh)
                                    for v, sh in zip(seg.outputs, seg.out_shardings))
         donate = []
@@ -266,6 +315,122 @@ def wire(closed: jcore.ClosedJaxpr, segments: list[Segment], needed_later: set[A
         seg.local = transfer.is_local(replicated)
         seg.fn = jax.jit(_segment_fn(closed, seg), in_shardings=seg.in_shardings,
                          out_shardings=seg.out_shardings, donate_argnums=seg.donate)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Origin:
+    """The largest value with a split layout that a value is computed from: its shape, its
+    bytes, its bytes per device under that layout, and its device count."""
+
+    shape: tuple[int, ...]
+    nbytes: int
+    block: int
+    devices: int
+
+
+def _split_origin(v: Any, layouts: Mapping[Any, tuple[int, Sharding]]) -> _Origin | None:
+    layout = layouts.get(v)
+    if layout is None or layout[1].is_fully_replicated:
+        return None
+    shape = tuple(v.aval.shape)
+    block = int(np.prod(layout[1].shard_shape(shape))) * getattr(v.aval.dtype, "itemsize", 4)
+    return _Origin(shape, _nbytes(v), block, len(layout[1].device_set))
+
+
+def split_origins(jaxpr: jcore.Jaxpr, eqns: Sequence[int],
+                  layouts: Mapping[Any, tuple[int, Sharding]]) -> dict[Any, _Origin]:
+    """For every variable of equations `eqns` (in program order) computed from a value
+    whose layout (`layouts`) splits it, the largest such value (`_Origin`)."""
+    out: dict[Any, _Origin] = {}
+
+    def origin(v: Any) -> _Origin | None:
+        if isinstance(v, jcore.Literal):
+            return None
+        own, inherited = _split_origin(v, layouts), out.get(v)
+        return max((o for o in (own, inherited) if o is not None), default=None,
+                   key=lambda o: o.nbytes)
+
+    for i in eqns:
+        e = jaxpr.eqns[i]
+        best = max((o for o in map(origin, e.invars) if o is not None), default=None,
+                   key=lambda o: o.nbytes)
+        for v in e.outvars:
+            mine = origin(v)
+            found = max((o for o in (mine, best) if o is not None), default=None,
+                        key=lambda o: o.nbytes)
+            if found is not None:
+                out[v] = found
+    for v in layouts:
+        own = _split_origin(v, layouts)
+        if own is not None and v not in out:
+            out[v] = own
+    return out
+
+
+def unplanned_replica(v: Any, origin: _Origin | None) -> bool:
+    """Whether value `v`, replicated at a segment boundary without a planned layout there,
+    is a fallback: the plan prices the update elementwise at each parameter's layout, so a
+    value computed from a split one (`origin`) and replicated costs an all-gather (or an
+    all-reduce) of its bytes and its whole bytes on every device, neither priced.
+
+    Threshold: more than `TINY_BYTES` and at least the split origin's bytes per device
+    (`origin.block`).  Below that the replica adds less per device than the plan already
+    holds for its origin, and it is what the planner assumes: a scalar (a step count, a
+    global norm, a loss scale) or an Adafactor's factored moment, a row or a column of a
+    matrix both of whose dims optax factors only from 128 up, so at most 1/128 of the
+    matrix: under its block wherever it is split fewer than 128 ways.  At or above it, a
+    parameter-sized quantity (a reshaped gradient, a flattened or blocked moment, a
+    preconditioner) is gathered whole: at least twice the per-device bytes the plan
+    priced for it."""
+    return origin is not None and _nbytes(v) > TINY_BYTES and _nbytes(v) >= origin.block
+
+
+def _report_replicas(jaxpr: jcore.Jaxpr, seg: Segment, devices: int,
+                     layouts: Mapping[Any, tuple[int, Sharding]],
+                     origins: Mapping[Any, _Origin], reported: set[Any]) -> None:
+    """Reports (`fallbacks.report`) the inputs and outputs of `seg` replicated on its stage
+    without a planned layout there that `unplanned_replica` flags, each value once (kept
+    in `reported`), one report per source line: the equation making the value here, or
+    the first reading it."""
+    found: dict[tuple[str, str], list[tuple[Any, jcore.JaxprEqn | None]]] = {}
+    for v in list(seg.inputs) + list(seg.outputs):
+        layout = layouts.get(v)
+        if v in reported or (layout is not None and layout[0] == seg.stage):
+            continue
+        if not unplanned_replica(v, origins.get(v)):
+            continue
+        reported.add(v)
+        eqn = next((jaxpr.eqns[i] for i in seg.eqns if v in jaxpr.eqns[i].outvars), None) or \
+            next((jaxpr.eqns[i] for i in seg.eqns if any(x is v for x in jaxpr.eqns[i].invars)),
+                 None)
+        where = _where(eqn)
+        done = "made" if v in seg.outputs else "read"
+        reason = (f"laid out on stage {layout[0]}, {done} here whole" if layout is not None
+                  else "computed from a split value by equations that are not elementwise, "
+                       "it has no planned layout")
+        found.setdefault((where, reason), []).append((v, eqn))
+    for (where, reason), values in found.items():
+        v, eqn = max(values, key=lambda p: _nbytes(p[0]))
+        origin = origins[v]
+        name = "?" if eqn is None else eqn.params.get("name") or eqn.primitive.name
+        total = sum(_nbytes(x) for x, _ in values)
+        fallbacks.report(
+            "apply-grad",
+            f"{len(values)} update value(s) of {total:,} B replicated on stage {seg.stage}'s "
+            f"{devices} device(s) between update programs, the largest "
+            f"{v.aval.str_short()} ({_nbytes(v):,} B, at {name!r}): {reason}; it comes "
+            f"from a split {list(origin.shape)} held as {origin.block:,} B per device on "
+            f"{origin.devices} (an unpriced gather and a whole copy per device)", where)
+
+
+def _where(eqn: jcore.JaxprEqn | None) -> str:
+    """The user's source line of `eqn` ("" when unknown)."""
+    if eqn is None:
+        return ""
+    try:
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # source info is best-effort; never fail a report on it
+        return ""
 
 
 def _segment_fn(closed: jcore.ClosedJaxpr, seg: Segment) -> Callable:

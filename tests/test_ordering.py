@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+import autopar
 from autopar import ordering
 
 # XLA:CPU's scheduler is chosen by a flag read when the backend starts (a per-compile
@@ -89,12 +90,14 @@ def test_after_changes_no_value_and_moves_no_data():
                  NamedSharding(mesh, PartitionSpec()),
                  NamedSharding(mesh, PartitionSpec("x", None)))
     args = [jax.device_put(x, s) for x, s in zip((t, g, odd, tok), shardings)]
-    lowered = jax.jit(f).lower(*args)
-    text = lowered.compile().as_text()
+    # Leaving `odd` out drops an order the planner's memory counts on: a fallback.
+    with pytest.warns(autopar.FallbackWarning, match=r"\(6,\) as \(\('y',\),\) left out"):
+        lowered = jax.jit(f).lower(*args)
+        text = lowered.compile().as_text()
+        tied, same, tied_tok = jax.jit(f)(*args)
     for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute",
                "reduce-scatter"):
         assert op not in text, op
-    tied, same, tied_tok = jax.jit(f)(*args)
     np.testing.assert_array_equal(np.asarray(tied), np.asarray(t))
     assert np.array_equal(np.signbit(np.asarray(tied)), np.signbit(np.asarray(t)))
     np.testing.assert_array_equal(np.asarray(same), np.asarray(odd))
