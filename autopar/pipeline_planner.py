@@ -692,15 +692,22 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                 traced_layers[pkey] = (prog, LayerProgram.build(graph, prog, diff,
                                                                 remat=split.remat))
             prog, traced = traced_layers[pkey]
-            started[key] = start_price_stage(
-                graph, prog, diff, cluster, submesh, forced_batch_axis=layout.batch_axis,
-                shapes=fixed_shape, remat=split.remat,
-                num_micro_batches=method.num_micro_batches, layer=traced,
-                submit=submit, lean=level == LEAN,
-                memory_price=(KNEE_FRACTIONS[level - 1] * knee_of(submesh)
-                              if 0 < level < LEAN else 0.0),
-                builds=builds, **layer_kw)
+            started[key] = start_layer_ilps(prog, traced, submesh, level, fixed_shape)
         return key
+
+    def start_layer_ilps(prog: pipeline.StageProgram, traced: LayerProgram,
+                         submesh: tuple[int, int], level: int,
+                         shapes: Sequence[tuple[int, ...]] | None,
+                         neighbours: Neighbours | None = None
+                         ) -> Callable[[], dict[tuple[int, ...], _Priced]]:
+        """`start_price_stage` of one layer program at trade-off `level`."""
+        return start_price_stage(
+            graph, prog, diff, cluster, submesh, forced_batch_axis=layout.batch_axis,
+            shapes=shapes, remat=split.remat, num_micro_batches=method.num_micro_batches,
+            layer=traced, submit=submit, lean=level == LEAN,
+            memory_price=(KNEE_FRACTIONS[level - 1] * knee_of(submesh)
+                          if 0 < level < LEAN else 0.0),
+            builds=builds, neighbours=neighbours, **layer_kw)
 
     leaner_submeshes: set[tuple[tuple[int, int], int]] = set()
 
@@ -810,13 +817,8 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                                 dict(zip(prog.outputs, first.outputs)))
         key = (pkey, submesh, level, shape, renamed.key())
         if key not in neighbour_solves:
-            solved = start_price_stage(
-                graph, first, diff, cluster, submesh, forced_batch_axis=layout.batch_axis,
-                shapes=[shape], remat=split.remat, num_micro_batches=method.num_micro_batches,
-                layer=traced, submit=submit, lean=level == LEAN,
-                memory_price=(KNEE_FRACTIONS[level - 1] * knee_of(submesh)
-                              if 0 < level < LEAN else 0.0),
-                builds=builds, neighbours=renamed, **layer_kw)().get(shape)
+            solved = start_layer_ilps(first, traced, submesh, level, [shape],
+                                      renamed)().get(shape)
             neighbour_solves[key] = solved if solved is not None and \
                 solved.cost_s < LEAN_PENALTY_S else None
         other = neighbour_solves[key]
