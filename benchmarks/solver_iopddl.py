@@ -6,8 +6,8 @@
 Writes benchmarks/results/solver_iopddl.{md,json}: per instance the cost of solve()'s
 answer within the contest limit, its ratio to the best known cost, and a proven lower
 bound (solve()'s own when it proves optimality, else the Lagrangian bound of
-passes/solver/lagrange.py computed afterwards in its own budget) against the best known
-lower bound.
+benchmarks/solver_experiments/lagrange.py computed afterwards in its own budget) against
+the best known lower bound.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def run_instance(path: pathlib.Path, name: str, limit: float, backend: str,
     cost, feasible = evaluate(prob, sol.strategies)  # re-checked independently
     lb, lb_s, lb_src = sol.lower_bound, 0.0, "solve"
     if sol.status != "optimal" and bound_limit > 0 and feasible:
-        from autopar.passes.solver.lagrange import lagrangian_bound  # noqa: PLC0415
+        from benchmarks.solver_experiments.lagrange import lagrangian_bound  # noqa: PLC0415
 
         t1 = time.perf_counter()
         lb2, _ = lagrangian_bound(prob, time_limit_s=bound_limit, upper_bound=cost)

@@ -41,16 +41,17 @@ import time
 import numpy as np
 
 from autopar.passes.solver import load_iopddl
-from autopar.passes.solver.fold import LeafFold
 from autopar.passes.solver.heuristic import LocalSearch, initial_strategies
 from autopar.passes.solver.penalty import Penalty
 from autopar.passes.solver.pool import Request, WorkerPool
 from autopar.passes.solver.reduce import reduce_problem
 from autopar.passes.solver.toulbar2 import PRICE_MAX_S, _price_weights
+from benchmarks.solver_experiments import tb2_options
+from benchmarks.solver_experiments.fold import LeafFold
 from benchmarks.solver_iopddl import REPO, _fail, _load_average
 from benchmarks.stamp import stamp, stamp_markdown
 
-# name -> (LDS discrepancies, toulbar2 options beyond autopar's: tb2_worker.TUNABLE_OPTIONS)
+# name -> (LDS discrepancies, toulbar2 options beyond autopar's: tb2_options.TUNABLE_OPTIONS)
 SETTINGS: dict[str, tuple[int, dict]] = {
     "autopar (HBFS, LDS 4, EDAC, DEE, elimination deg 3)": (4, {}),
     "LDS 1": (1, {}),
@@ -65,7 +66,7 @@ SETTINGS: dict[str, tuple[int, dict]] = {
     "variable elimination of degree <= 2 in preprocessing": (4, {"elimDegree_preprocessing": 2}),
 }
 # autopar's setting on the core left by folding the model's leaves into their neighbours
-# (passes/solver/fold.py: the same optimum, a quarter of S's nodes).
+# (solver_experiments/fold.py: the same optimum, a quarter of S's nodes).
 FOLDED = "autopar's, on the core left by folding leaves (fold.py)"
 # Settings solved again from the 13 s answer of autopar's (the first of SETTINGS).
 WARM_SETTINGS = (FOLDED, "autopar (HBFS, LDS 4, EDAC, DEE, elimination deg 3)",
@@ -100,7 +101,7 @@ def run(path: pathlib.Path, levels: int) -> tuple[list[dict], dict]:
     jobs += [(autopar, lds0, opts0, t, None) for t in AUTOPAR_LIMITS_S]
     rows = []
     starts: list = [None] * levels  # per level: autopar's 13 s answer and its model cost
-    with WorkerPool(2, grace_s=1.5) as pool:
+    with WorkerPool(2, grace_s=1.5, command=tb2_options.COMMAND) as pool:
         pool.warm_up()
         for name, lds, opts, limit, fld in jobs:
             answers = _solve(pool, pen, unaries, lds, opts, limit, None, fld)

@@ -233,19 +233,18 @@ def test_pool_stops_waiting_for_a_worker_past_its_bound(monkeypatch):
     """A worker that never answers (hung, or stuck in a solver past its time limit) is
     waited for at most `answer_bound_s(time_limit)`: then it is stopped and the problem
     solved in this process, so no planner wait is unbounded."""
-    import subprocess
     import sys
     import time
 
-    from autopar import solve_pool
+    from autopar.passes.solver import futures
+    from autopar.passes.solver import pool as worker_pool
 
-    def silent_worker(self, k):  # reads its input, never answers
-        return subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                                 "sys.stdin.buffer.read(); time.sleep(600)"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    def silent_worker(handler):  # a command that reads its input, never answers
+        return [sys.executable, "-c", "import sys, time\n"
+                "sys.stdin.buffer.read(); time.sleep(600)"]
 
-    monkeypatch.setattr(solve_pool.SolvePool, "_start", silent_worker)
-    monkeypatch.setattr(solve_pool, "ANSWER_GRACE_S", 1.0)
+    monkeypatch.setattr(worker_pool, "worker_command", silent_worker)
+    monkeypatch.setattr(futures, "ANSWER_GRACE_S", 1.0)
     t0 = time.monotonic()
     with SolvePool(workers=1) as pool:
         answer = pool.submit(random_problem(4), time_limit_s=0.5, backend="auto").result(

@@ -34,8 +34,8 @@ import time
 
 import numpy as np
 
-from autopar.passes.solver.problem import INFINITE_COST
-from autopar.passes.solver.reduce import Reduced
+from .problem import INFINITE_COST
+from .reduce import Reduced
 
 
 class DualAscent:

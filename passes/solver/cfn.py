@@ -19,8 +19,8 @@ import heapq
 
 import numpy as np
 
-from autopar.passes.solver.problem import INFINITE_COST
-from autopar.passes.solver.reduce import Reduced
+from .problem import INFINITE_COST
+from .reduce import Reduced
 
 _COST_TOTAL = 2.0**50
 _USAGE_MAX = 2.0**40
@@ -37,7 +37,7 @@ def pow2_scale(total: float, target: float, integral: bool) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """A toulbar2 model (tb2_worker's arrays) and the map back to real costs.
+    """A toulbar2 model (tb2_handler's arrays) and the map back to real costs.
 
     real cost of an assignment = model cost / cost_scale + offset.
     """
@@ -131,7 +131,7 @@ def assignment_cost(unary: np.ndarray, arrays: dict, offsets: tuple[np.ndarray, 
 
 def _knapsack_arrays(knapsacks: list[tuple[np.ndarray, list[np.ndarray], float]],
                      uscale: float) -> dict:
-    """tb2_worker's knapsack arrays (CSR: kn_ptr over the terms kn_var/kn_val/kn_coef,
+    """tb2_handler's knapsack arrays (CSR: kn_ptr over the terms kn_var/kn_val/kn_coef,
     kn_cap) with usages scaled by `uscale`.  A variable's usage vector is usually shared
     by many knapsacks (every live set it belongs to): its nonzero terms are computed once
     per (variable, vector) and gathered, so the cost is linear in the terms."""

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from autopar.passes.solver.problem import INFINITE_COST, ShardingProblem
+from .problem import INFINITE_COST, ShardingProblem
 
 
 class _Flat:

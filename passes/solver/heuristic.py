@@ -16,8 +16,8 @@ from collections import deque
 
 import numpy as np
 
-from autopar.passes.solver.problem import INFINITE_COST
-from autopar.passes.solver.reduce import Reduced
+from .problem import INFINITE_COST
+from .reduce import Reduced
 
 _EPS = 1e-9
 _LOCAL_MAX_DEGREE = 32  # local descents do not fan out from hubs
@@ -318,7 +318,7 @@ def heuristic(red: Reduced, deadline: float, seed: int = 0,
     descent_key = ls.key()
     iters = accepted = stall = 0
     lstats: dict = {}
-    from autopar.passes.solver import lns  # noqa: PLC0415  (lns imports this module)
+    from . import lns  # noqa: PLC0415  (lns imports this module)
 
     if use_lns and ls.n > 1 and lns.available():
         lstats = lns.lns(ls, deadline)

@@ -21,8 +21,8 @@ import time
 import numpy as np
 import pulp
 
-from autopar.passes.solver.problem import INFINITE_COST
-from autopar.passes.solver.reduce import Reduced
+from .problem import INFINITE_COST
+from .reduce import Reduced
 
 # Seconds per model nonzero for building + writing + reading a PuLP model (measured
 # conservatively on the 2-core machine); used to skip the ILP when it cannot fit.

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from autopar.passes.solver.problem import ShardingProblem
+from .problem import ShardingProblem
 
 
 def _field(obj: dict, key: str, where: str, path: str) -> object:

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from autopar.passes.solver.heuristic import LocalSearch
+from .heuristic import LocalSearch
 
 _INF = np.inf
 WINDOW_EVERY = 3  # every third region is a timeline window (memory trades)

@@ -27,8 +27,8 @@ import time
 
 import numpy as np
 
-from autopar.passes.solver import lns
-from autopar.passes.solver.heuristic import LocalSearch
+from . import lns
+from .heuristic import LocalSearch
 
 # At most this many strategies (beyond the incumbent's) over the merged nodes: the answers
 # are added cheapest first until one would pass it.  S's 14 answers add ~15,000.

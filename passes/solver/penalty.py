@@ -37,16 +37,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from autopar.passes.solver.cfn import (
+from .cfn import (
     assignment_cost,
     build_model,
     shifted_tables,
     table_offsets,
 )
-from autopar.passes.solver.heuristic import LocalSearch, repair_memory
-from autopar.passes.solver.pool import Request, WorkerPool
-from autopar.passes.solver.problem import INFINITE_COST
-from autopar.passes.solver.reduce import Reduced
+from .heuristic import LocalSearch, repair_memory
+from .pool import Request, WorkerPool
+from .problem import INFINITE_COST
+from .reduce import Reduced
 
 # A penalty worth this many times all the costs together is as good as infinite.
 _MAX_PENALTY_SPAN = 16.0

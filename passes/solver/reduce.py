@@ -21,7 +21,7 @@ from collections import deque
 
 import numpy as np
 
-from autopar.passes.solver.problem import INFINITE_COST, ShardingProblem
+from .problem import INFINITE_COST, ShardingProblem
 
 _BIG = 1e30  # stands for "forbidden" after sums of INFINITE_COST entries
 _CHAIN_MAX_ENTRIES = 2_000_000  # S_u * S_v * S_w bound for chain elimination

@@ -12,24 +12,24 @@ import time
 
 import numpy as np
 
-from autopar.passes.solver.backend import (
+from .backend import (
     DEFAULT_BACKEND,
     Backend,
     backend_available,
     resolve_backend,
 )
-from autopar.passes.solver.bound import dual_bound
-from autopar.passes.solver.evaluate import evaluate, flat
-from autopar.passes.solver.heuristic import heuristic
-from autopar.passes.solver.ilp import SECONDS_PER_NONZERO, model_nonzeros, solve_ilp
-from autopar.passes.solver.problem import (
+from .bound import dual_bound
+from .evaluate import evaluate, flat
+from .heuristic import heuristic
+from .ilp import SECONDS_PER_NONZERO, model_nonzeros, solve_ilp
+from .problem import (
     COST_FLOOR,
     INFINITE_COST,
     ShardingProblem,
     Solution,
     scale_costs,
 )
-from autopar.passes.solver.reduce import reduce_problem
+from .reduce import reduce_problem
 
 # Fraction of the remaining time the heuristic gets before the ILP when the ILP fits.
 _HEURISTIC_SHARE = 0.1
@@ -176,7 +176,7 @@ def _toulbar2_inline(red, nonzeros: int, seconds_left: float) -> bool:
     AUTO_ILP_MAX_S (or half the time left) to build and solve.  Dense pairwise costs (2-D
     meshes: ~2,500 strategies over 65 nodes, 0.55 M nonzeros) take HiGHS 12-13 s and
     toulbar2 0.2-0.6 s to the same optimum."""
-    from autopar.passes.solver.toulbar2 import exact_fits  # noqa: PLC0415
+    from .toulbar2 import exact_fits  # noqa: PLC0415
 
     return (red.num_nodes > 0 and backend_available("toulbar2")
             and nonzeros * SECONDS_PER_NONZERO > min(AUTO_ILP_MAX_S, 0.5 * seconds_left)
@@ -186,7 +186,7 @@ def _toulbar2_inline(red, nonzeros: int, seconds_left: float) -> bool:
 def _solve_toulbar2(problem: ShardingProblem, red, k: float, deadline: float, threads: int,
                     verbose: bool, stats: dict, t0: float, seed: int = 0,
                     inline: bool = False) -> Solution:
-    from autopar.passes.solver.toulbar2 import solve_toulbar2  # noqa: PLC0415
+    from .toulbar2 import solve_toulbar2  # noqa: PLC0415
 
     if red.num_nodes:
         s_red, lb, status, tstats = solve_toulbar2(red, deadline, seed, threads, verbose,

@@ -19,11 +19,11 @@ import time
 
 import numpy as np
 
-from autopar.passes.solver.cfn import build_model, nondominated_points
-from autopar.passes.solver.heuristic import LocalSearch
-from autopar.passes.solver.lns import WINDOW_EVERY, bfs_region, pick_seed, window_region
-from autopar.passes.solver.pool import Request, WorkerPool
-from autopar.passes.solver.problem import INFINITE_COST
+from .cfn import build_model, nondominated_points
+from .heuristic import LocalSearch
+from .lns import WINDOW_EVERY, bfs_region, pick_seed, window_region
+from .pool import Request, WorkerPool
+from .problem import INFINITE_COST
 
 
 def region_model(ls: LocalSearch, region: np.ndarray):

@@ -29,15 +29,15 @@ import time
 
 import numpy as np
 
-from autopar.passes.solver import lns
-from autopar.passes.solver.bound import dual_prices
-from autopar.passes.solver.cfn import live_set_constraints, reduced_model
-from autopar.passes.solver.heuristic import LocalSearch, heuristic, initial_strategies
-from autopar.passes.solver.merge import merge
-from autopar.passes.solver.penalty import penalty_search
-from autopar.passes.solver.pool import Answer, InlinePool, Request, WorkerPool
-from autopar.passes.solver.reduce import Reduced
-from autopar.passes.solver.tb2_lns import tb2_lns
+from . import lns
+from .bound import dual_prices
+from .cfn import live_set_constraints, reduced_model
+from .heuristic import LocalSearch, heuristic, initial_strategies
+from .merge import merge
+from .penalty import penalty_search
+from .pool import Answer, InlinePool, Request, WorkerPool
+from .reduce import Reduced
+from .tb2_lns import tb2_lns
 
 # The exact model is tried when the reduced problem is at most this large.
 EXACT_MAX_NODES = 3000

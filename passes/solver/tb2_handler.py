@@ -1,12 +1,9 @@
-"""A toulbar2 worker process: reads cost-function-network models, solves them, answers.
+"""The "tb2" request: one cost-function-network model solved by toulbar2.
 
 toulbar2 keeps its options and its timer in process-wide state, so every solve runs in a
-worker process of its own (pool.py starts them as `python tb2_worker.py`; this file
-imports only numpy and pytoulbar2, not autopar, to start fast).  Several workers give
-parallel solves, and a worker that overruns can be interrupted or killed.
-
-Wire format (no pickle): each message is an 8-byte little-endian length followed by an
-`np.savez` archive (allow_pickle=False) whose "meta" entry is UTF-8 JSON for scalars.
+worker process of its own (worker.py, started by pool.py; this module imports only numpy,
+and pytoulbar2 when it solves, to start fast).  Several workers give parallel solves, and
+a worker that overruns can be interrupted or killed.
 
 A model is integer-valued already (costs scaled by the caller, see cfn.py):
   sizes [n]           domain size of each variable
@@ -16,11 +13,10 @@ A model is integer-valued already (costs scaled by the caller, see cfn.py):
   kn_ptr [K+1], kn_var, kn_val, kn_coef, kn_cap [K]
                       knapsack k: sum of kn_coef over its terms (kn_var == kn_val) <= kn_cap
   best [n] (optional) value tried first by the search (a warm start)
-meta: ub (exclusive upper bound or null), time_limit_s (toulbar2's own CPU-time limit),
-backtrack_limit, lds, seed, base (name of a cached model this request patches: only its
-unary is sent), cache (name under which to keep this model), options (toulbar2 search
-settings other than autopar's, by name: see TUNABLE_OPTIONS; for experiments such as
-benchmarks/solver_tb2_settings.py).
+meta: ub (exclusive upper bound or null), time_limit_s (toulbar2's own CPU-time limit,
+seconds), backtrack_limit, lds, seed, base (name of a cached model this request patches:
+only its unary is sent), cache (name under which to keep this model), load_only (keep it,
+solve nothing).
 
 Interruption: the parent sends SIGVTALRM at its wall-clock deadline; toulbar2's timer
 handler catches it and Solve returns the best solution found so far.  The timer is
@@ -30,20 +26,19 @@ from the previous request cannot cut the next one short.
 
 from __future__ import annotations
 
-import io
-import json
 import os
-import signal
-import struct
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-_HEADER = struct.Struct("<Q")
-# toulbar2 options a request may override (meta "options"), with the value every other
-# request gets: options are process-wide, so each solve sets all of them.
-TUNABLE_OPTIONS = {
+from .wire import Arrays, Meta
+
+# toulbar2 search settings autopar solves with, set on every solve: options are
+# process-wide (an experiment's `configure` may have changed them in this process).
+SEARCH_OPTIONS = {
     "DEE": 1,  # dead-end elimination (1: in preprocessing and search)
     "elimDegree": 3,  # variable elimination during search up to this degree
     "LcLevel": 4,  # local consistency: 1 AC, 2 DAC, 3 FDAC, 4 EDAC (toulbar2's default)
@@ -53,45 +48,9 @@ TUNABLE_OPTIONS = {
     "elimDegree_preprocessing": -1,  # variable elimination in preprocessing up to this degree
 }
 
-
-def encode(arrays: dict, meta: dict) -> bytes:
-    """One message: the arrays and the JSON-encoded scalars in an npz archive."""
-    buf = io.BytesIO()
-    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
-    return buf.getvalue()
-
-
-def decode(data: bytes) -> tuple[dict, dict]:
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files if k != "meta"}
-        meta = json.loads(bytes(z["meta"]).decode())
-    return arrays, meta
-
-
-def write_frame(fd: int, payload: bytes) -> None:
-    data = _HEADER.pack(len(payload)) + payload
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-def read_exact(fd: int, n: int) -> bytes | None:
-    chunks = []
-    while n:
-        chunk = os.read(fd, min(n, 1 << 20))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
-
-
-def read_frame(fd: int) -> bytes | None:
-    head = read_exact(fd, _HEADER.size)
-    if head is None:
-        return None
-    return read_exact(fd, _HEADER.unpack(head)[0])
+#: A hook `configure(pytoulbar2.pytb2, meta)` run after autopar's settings, before the
+#: model is posted (experiments set other toulbar2 options with it).
+Configure = Callable[[Any, Meta], None]
 
 
 def _set_options(tb2, meta: dict) -> None:
@@ -107,13 +66,8 @@ def _set_options(tb2, meta: dict) -> None:
     o.vac = 0
     o.useRASPS = 0
     o.solutionBasedPhaseSaving = True
-    extra = meta.get("options") or {}
-    unknown = sorted(set(extra) - set(TUNABLE_OPTIONS))
-    if unknown:
-        raise ValueError(f"toulbar2 options {unknown} cannot be set per request "
-                         f"(tunable: {sorted(TUNABLE_OPTIONS)})")
-    for name, default in TUNABLE_OPTIONS.items():
-        setattr(o, name, int(extra.get(name, default)))
+    for name, value in SEARCH_OPTIONS.items():
+        setattr(o, name, value)
 
 
 def _post(cfn, model: dict) -> None:
@@ -172,7 +126,8 @@ def _post(cfn, model: dict) -> None:
                 w.setBestValue(i, int(v))
 
 
-def solve_model(model: dict, meta: dict) -> tuple[dict, dict]:
+def solve_model(model: Arrays, meta: Meta,
+                configure: Configure | None = None) -> tuple[Arrays, Meta]:
     """Builds and solves one model in this process; returns (arrays, meta) to send back.
 
     meta of the answer: status "optimal" | "feasible" | "none" (nothing below ub found,
@@ -190,6 +145,8 @@ def solve_model(model: dict, meta: dict) -> tuple[dict, dict]:
     try:
         cfn = pytoulbar2.CFN(ubinit=None if ub is None else float(ub), verbose=-1)
         _set_options(tb2, meta)
+        if configure is not None:
+            configure(tb2, meta)
         _post(cfn, model)
         cfn.CFN.timerStop()  # clears a stale interrupt flag
         res = cfn.Solve(timeLimit=max(1, int(meta.get("time_limit_s", 0) or 0)))
@@ -220,7 +177,8 @@ def solve_model(model: dict, meta: dict) -> tuple[dict, dict]:
     return arrays, out
 
 
-def solve_inline(model: dict, meta: dict) -> tuple[dict, dict]:
+def solve_inline(model: Arrays, meta: Meta,
+                 configure: Configure | None = None) -> tuple[Arrays, Meta]:
     """`solve_model` in the calling process (pool.InlinePool), toulbar2's prints sent to
     /dev/null.
 
@@ -234,7 +192,7 @@ def solve_inline(model: dict, meta: dict) -> tuple[dict, dict]:
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     try:
-        return solve_model(model, meta)
+        return solve_model(model, meta, configure)
     finally:
         _flush_c_stdio()
         os.dup2(saved, 1)
@@ -253,45 +211,23 @@ def _flush_c_stdio() -> None:
         pass
 
 
-def private_stdout() -> int:
-    """A worker's answer channel: a private copy of stdout (returned), with file
-    descriptor 1 and `sys.stdout` pointed at stderr, so that a library printing from C
-    (toulbar2, HiGHS's banner) cannot write into the answer stream and leave the parent
-    waiting for a frame that never ends."""
-    fd = os.dup(1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return fd
+class Handler:
+    """The worker's "tb2" handler: solves each model it is sent, or a patch of the model
+    it keeps (meta "base": the request's arrays replace the kept model's)."""
 
+    def __init__(self, configure: Configure | None = None) -> None:
+        self.configure = configure
+        self.cache: dict[str, Arrays] = {}
 
-def main() -> None:
-    """Serves requests from stdin until it closes; answers on the original stdout."""
-    if sys.platform.startswith("linux"):  # die with the parent, even mid-solve
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    proto_out = private_stdout()
-    signal.signal(signal.SIGVTALRM, lambda *_: None)  # an early interrupt is a no-op
-    cache: dict = {}
-    while True:
-        frame = read_frame(0)
-        if frame is None:
-            return
-        arrays, meta = decode(frame)
+    def __call__(self, arrays: Arrays, meta: Meta) -> tuple[Arrays, Meta]:
         base = meta.get("base")
         if base is not None:
-            model = dict(cache[base])
+            model = dict(self.cache[base])
             model.update(arrays)
         else:
             model = arrays
         if meta.get("cache") is not None:
-            cache = {meta["cache"]: model}
+            self.cache = {meta["cache"]: model}
         if meta.get("load_only"):
-            write_frame(proto_out, encode({}, {"status": "loaded"}))
-            continue
-        ans_arrays, ans_meta = solve_model(model, meta)
-        write_frame(proto_out, encode(ans_arrays, ans_meta))
-
-
-if __name__ == "__main__":
-    main()
+            return {}, {"status": "loaded"}
+        return solve_model(model, meta, self.configure)

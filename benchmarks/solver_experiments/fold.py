@@ -24,8 +24,9 @@ without): toulbar2's gap on each subproblem stays.  Folding the nodes of two nei
 as well (a core of 3,345) made toulbar2's answers worse (merged tables slow its
 propagation).
 
-Model arrays are tb2_worker's: sizes, edges [E, 2], costs (each edge's [S_a, S_b] table
-flattened row-major), unary (flat, +inf forbidden); costs are toulbar2's integer units.
+Model arrays are autopar.passes.solver.tb2_handler's: sizes, edges [E, 2], costs (each
+edge's [S_a, S_b] table flattened row-major), unary (flat, +inf forbidden); costs are
+toulbar2's integer units.
 """
 
 from __future__ import annotations
