@@ -25,8 +25,9 @@ AUTO_TOULBAR2_MIN_NODES = 2000
 """Nodes from which "auto" picks toulbar2.  The compiler's per-layer problems are smaller
 (tens to hundreds of nodes): HiGHS solves them to optimality in well under a second, inside
 the planner's own worker processes, without toulbar2's worker start-up; the production-size
-contest instances (28-35 thousand nodes) are where toulbar2's penalty loop wins (A 1.004,
-M 1.000 of the best known cost, where the ILP path gave 1.63 and 38.5).  Pass
+contest instances (28-35 thousand nodes) are where toulbar2's penalty loop wins
+(benchmarks/results/solver_iopddl.md; the ILP path on them:
+benchmarks/solver_experiments/measurements.md, "auto").  Pass
 backend="toulbar2" to use it on smaller problems (the 816-node G: optimal in 2-7 s)."""
 
 

@@ -18,14 +18,9 @@ problem).
 The plain subgradient step zigzags where memory dominates the cost (IOPDDL S: the memory
 prices make 80% of the bound).  `DualAscent` can deflect it (each direction adds
 `deflection` times the previous one) and halve the step after `patience` iterations
-without a better bound.  Measured on IOPDDL S (one core, this machine kind, 90 s; bound /
-best known bound): plain 0.850 (step halved after 50 iterations) and 0.831 (fixed step
-0.1); deflected by 0.7 0.869, 0.9 0.889, 0.95 0.905 (0.908 halving after 30 iterations),
-0.98 0.854; 200 s with 0.95 and 30: 0.932.  On IOPDDL A the deflection does worse (60 s:
-0.866 against 0.934 plain), so the plain step stays the default.  After the edge loop
-was made 3.5x faster (one flat message vector, `_min_marginals`), 5,200-5,400 iterations
-with deflection 0.95 (two runs at once, 300 s each): patience 80 0.954, 160 0.958, 320
-0.961; deflection 0.9 with 160 0.947.
+without a better bound.  The deflection helps on IOPDDL S and hurts on A, so the plain
+step stays the default (the runs: benchmarks/solver_experiments/measurements.md, "The LP
+dual's subgradient step").
 """
 
 from __future__ import annotations

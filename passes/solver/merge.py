@@ -9,15 +9,9 @@ optimality in seconds (lns.solve_region with domains), and the recombined answer
 far cheaper than any repair of one answer: it takes the cheap answers' choices wherever
 memory allows.
 
-Measured on IOPDDL S (one core; cost / best known 1,521,949,307): on the 14 answers one
-run's penalty loop left, 11,926 nodes differ by 15,154 strategies; HiGHS proves the
-recombination optimal in 9.5 s, at 1.5354e9 (1.0088), where the best repaired answer
-cost 1.5846e9 and that run's 65 s of LNS after it ended at 1.5612e9.  From the cheapest
-answer alone (1.5208e9, over the limit by 3.3e7 bytes), a greedy repair
-(heuristic.repair_memory) and an exact re-solve of every node live at the overflowing
-checkpoints (the rest fixed) both end at 1.594e9.  The penalty loop recombines after
-every round (penalty.py), and later rounds start from the result: whole solves on S
-ended at 0.9965-0.9997 (toulbar2.py).
+The penalty loop recombines after every round (penalty.py), and later rounds start from
+the result; whole solves: benchmarks/results/solver_iopddl.md (the runs that chose this:
+benchmarks/solver_experiments/measurements.md, "Recombination").
 (The idea is the "optimized crossover" of genetic algorithms; this is our own take.)
 """
 

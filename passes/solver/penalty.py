@@ -16,14 +16,9 @@ that is cheaper than the best feasible one is repaired greedily (heuristic.repai
 and polished the same way.  With a `recombine` step (merge.py) the answers so far are
 also recombined after each round: far cheaper than any repair on IOPDDL S.
 
-Tried on IOPDDL S and not adopted (240 s, 2 cores per run; 8 runs at once on a lent
-machine's 16-core Xeon, 2026-11-27; cost / best known): prices per checkpoint instead of
-brackets per node (a node's weight the sum of its live checkpoints' prices, starting at
-the LP's, doubled where the higher level overflowed, halved where both levels fit; levels
-4x or 2x apart) ended at 1.049-1.054 (mean 1.051, 4 runs) and 1.039-1.070 (1.054, 4),
-the brackets at 1.030-1.041 (1.033, 6) beside them.  Hard memory knapsacks at the worst
-overflowing checkpoints (8 cuts, each over ~2,700 live nodes) stopped toulbar2 improving
-on its warm start within a slice: the loop's best stayed at 1.69e9, the final 1.084.
+Tried on IOPDDL S and not adopted (benchmarks/solver_experiments/measurements.md,
+"Penalty weights"): prices per checkpoint instead of brackets per node, and hard memory
+knapsacks at the worst overflowing checkpoints.
 
 What is deterministic: the weights of round r and the workers' seeds follow from the
 answers of rounds < r.  What is not: toulbar2 runs each level until a wall-clock slice

@@ -43,32 +43,27 @@ from .tb2_lns import tb2_lns
 EXACT_MAX_NODES = 3000
 EXACT_MAX_STRATEGIES = 60_000
 EXACT_MAX_CONSTRAINTS = 3000
-# Large problems: share of the time after the first answer left to the final LNS.  On
-# IOPDDL S (240 s, 2 cores per run, 8 runs at once on a lent 16-core Xeon, one day; cost /
-# best known): 0.3 ended at 1.030-1.041 (mean 1.033, 6 runs), 0.15 at 1.027-1.036 (1.033,
-# 3), 0.2 at 1.033-1.042 (1.038, 3), 0.45 at 1.048-1.070 (1.059, 4): the penalty rounds
-# it takes away are worth more than the longer LNS.
+# Large problems: share of the time after the first answer left to the final LNS (the
+# penalty rounds a larger share takes away are worth more than the longer LNS:
+# benchmarks/solver_experiments/measurements.md, "LNS_SHARE").
 LNS_SHARE = 0.3
 # Penalty solves get the loop's time over this many rounds (PENALTY_SOLVE_S seconds of
 # CPU time each at least and at most).  Fewer, longer solves: each spends ~6 s in
 # preprocessing and its first dive before it improves on its warm start, and a longer one
-# reaches a lower penalized cost (benchmarks/solver_tb2_settings.py).  On IOPDDL S (2
-# cores, one day) slices of 18-30 s ended at 1.031-1.042 of the best known cost in 5 runs
-# (mean 1.034), 12 rounds of 12-13 s at 1.038-1.046 in 3 (mean 1.043); A keeps its 8 s
-# slices, M gets 17 s (0.9999 of the best known cost, as before).
+# reaches a lower penalized cost (benchmarks/results/solver_tb2_settings.md; whole
+# solves: benchmarks/solver_experiments/measurements.md, "PENALTY_ROUNDS").
 PENALTY_ROUNDS = 6.0
 PENALTY_SOLVE_S = (8.0, 20.0)
 # The penalty loop's last round answers at its deadline, and those answers, the cheapest
 # as a rule, were dropped unrepaired; they get this share of the loop's time past it
-# (taken from the LNS).  On IOPDDL S (one run): the last round's 1.5906e9, over the
-# limit by 3.1e7 bytes, repaired and polished to 1.5891e9 in 1.8 s, the loop's best before
-# it 1.5957e9.
+# (taken from the LNS; benchmarks/solver_experiments/measurements.md,
+# "FINAL_POLISH_SHARE").
 FINAL_POLISH_SHARE = 0.05
 # Large problems (when highspy is installed): the penalty loop's answers are recombined
 # (merge.py) after each round, while the workers solve the next one, and once more after
 # the loop for at most this share of the time after the first answer, before the LNS.
-# On IOPDDL S (240 s, 2 cores; cost / best known): 0.9965, 0.9997 and 0.9986 in 3 runs
-# (1.0015 in one run with the recombination after the loop only; 1.019-1.048 without).
+# Whole solves with it: benchmarks/results/solver_iopddl.md (with and without it:
+# benchmarks/solver_experiments/measurements.md, "MERGE_SHARE").
 MERGE_SHARE = 0.1
 # Large problems: the first penalty weights come from memory prices, the pairwise-LP
 # dual's (bound.dual_prices), computed in PRICE_SHARE of the penalty loop's time (at most
@@ -248,8 +243,8 @@ def _price_weights(red: Reduced, cost: float, stop: float) -> tuple[np.ndarray |
     one uniform weight (_initial_weight) when the prices are all zero.
 
     `cost`: a known answer's cost (the least-usage choice's), the dual's step scale.
-    On IOPDDL S (240 s, 2 cores) the penalty loop's best answer after 80 s was 1.59e9
-    from these weights and 1.80e9 from a uniform one.
+    (Against a uniform weight: benchmarks/solver_experiments/measurements.md, "First
+    penalty weights".)
     """
     t = time.perf_counter()
     lp, mu, _ = dual_prices(red, stop, cost)
