@@ -12,6 +12,7 @@ one thread per worker (solve_futures.py).  Answers are decoded one at a time (se
 
 from __future__ import annotations
 
+import os
 import select
 import signal
 import subprocess
@@ -37,6 +38,15 @@ def worker_command(handler: str) -> list[str]:
     return [sys.executable, "-m", f"{__package__}.worker", handler]
 
 
+def _package_root() -> str:
+    """The folder that holds this package's top-level package: a worker started there
+    (`python -m` puts its working folder first on sys.path) imports the same solver as
+    this process, even where the caller's working folder holds another copy (a source
+    checkout next to an installed autopar)."""
+    top = sys.modules[__package__.partition(".")[0]]
+    return os.path.dirname(os.path.dirname(os.path.abspath(top.__file__)))
+
+
 @dataclass
 class Request:
     """One solve: arrays and meta (see the handler's module).  With `base`, the worker must
@@ -57,10 +67,10 @@ class Answer:
 class _Worker:
     """One worker process and its two pipes."""
 
-    def __init__(self, command: Sequence[str]) -> None:
+    def __init__(self, command: Sequence[str], cwd: str | None = None) -> None:
         self.proc = subprocess.Popen(
             list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, close_fds=True,
+            stderr=subprocess.DEVNULL, close_fds=True, cwd=cwd,
         )
         self.cached: str | None = None
 
@@ -114,7 +124,8 @@ def _decode(frame: bytes) -> tuple[dict, dict]:
 class WorkerPool:
     """`size` worker processes serving `handler`, started lazily; use as a context
     manager.  `command` replaces the worker's command line (an experiment's own worker:
-    `[sys.executable, "-m", module]` of a module that calls `worker.serve`)."""
+    `[sys.executable, "-m", module]` of a module that calls `worker.serve`; it runs in
+    this process's working folder)."""
 
     def __init__(self, size: int = 2, grace_s: float = 1.5, handler: str = "tb2",
                  command: Sequence[str] | None = None) -> None:
@@ -122,7 +133,10 @@ class WorkerPool:
             raise ValueError(f"WorkerPool: size must be >= 1, got {size=}")
         self.size = size
         self.grace_s = grace_s
-        self.command = list(command) if command is not None else worker_command(handler)
+        if command is None:
+            self.command, self.cwd = worker_command(handler), _package_root()
+        else:
+            self.command, self.cwd = list(command), None
         self.workers: list[_Worker | None] = [None] * size
         self.killed = 0
 
@@ -143,7 +157,7 @@ class WorkerPool:
             if w is not None:
                 w.kill()
             self.workers[i] = None
-            w = self.workers[i] = _Worker(self.command)
+            w = self.workers[i] = _Worker(self.command, self.cwd)
         return w
 
     def _drop(self, i: int) -> None:
