@@ -1,6 +1,15 @@
 """Cost model: cluster specs and presets, α-β collectives, roofline compute (DESIGN §6)."""
 
-from . import collectives, compile_log, compute, devices, hlo_audit, profiler, units
+from . import (
+    collectives,
+    compile_log,
+    compute,
+    devices,
+    efficiency,
+    hlo_audit,
+    profiler,
+    units,
+)
 from .cluster import ClusterSpec, Link
 from .hlo_audit import Audit, audit
 from .profiler import ProfileResult, profile
@@ -16,6 +25,7 @@ __all__ = [
     "compile_log",
     "compute",
     "devices",
+    "efficiency",
     "format_bytes",
     "hlo_audit",
     "parse_size",

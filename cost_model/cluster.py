@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeAlias
 import numpy as np
 
 from . import devices as _devices
+from . import efficiency as _efficiency
 from .jsonio import write_json_atomic
 
 FORMAT_VERSION = 1
@@ -63,15 +64,20 @@ _DTYPE_ALIASES = {
 }  # fmt: skip
 
 
-class _FrozenFloats(Mapping[str, float]):
-    """Read-only, hashable ``str -> float`` mapping (keeps ClusterSpec frozen and hashable)."""
+class _Frozen(Mapping[str, Any]):
+    """Read-only, hashable ``str -> value`` mapping, keys sorted and values normalized by
+    `_value` (keeps ClusterSpec frozen and hashable)."""
 
     __slots__ = ("_items",)
 
-    def __init__(self, items: Mapping[str, float]):
-        self._items = dict(sorted((str(k), float(v)) for k, v in items.items()))
+    @staticmethod
+    def _value(key: str, value: Any) -> Any:
+        return value
 
-    def __getitem__(self, key: str) -> float:
+    def __init__(self, items: Mapping[str, Any]):
+        self._items = {str(k): self._value(str(k), v) for k, v in sorted(items.items())}
+
+    def __getitem__(self, key: str) -> Any:
         return self._items[key]
 
     def __iter__(self) -> Iterator[str]:
@@ -84,10 +90,31 @@ class _FrozenFloats(Mapping[str, float]):
         return hash(tuple(self._items.items()))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mapping) and dict(self._items) == dict(other.items())
+        if not isinstance(other, Mapping):
+            return False
+        try:
+            return self._items == {str(k): self._value(str(k), v) for k, v in other.items()}
+        except (TypeError, ValueError):
+            return False
 
     def __repr__(self) -> str:
         return repr(self._items)
+
+
+class _FrozenFloats(_Frozen):
+    """``dtype -> FLOP/s`` (floats)."""
+
+    @staticmethod
+    def _value(key: str, value: Any) -> float:
+        return float(value)
+
+
+class _FrozenCurves(_Frozen):
+    """``dtype -> efficiency curve`` (`efficiency.Curve`, checked and sorted)."""
+
+    @staticmethod
+    def _value(key: str, value: Any) -> _efficiency.Curve:
+        return _efficiency.check_curve(key, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,14 +151,20 @@ class ClusterSpec:
       num_hosts: hosts (processes), >= 1.
       devices_per_host: devices on each host, >= 1.
       device_kind: e.g. ``"A100-80GB"`` or ``"cpu"``.
-      peak_flops: FLOP/s per device that matmuls sustain, keyed by dtype name; must hold
-        ``"float32"``, the fallback for dtypes without a figure. GPU presets: the datasheet's
-        dense peak times the kind's calibrated ``achieved_fraction`` (devices.py); profiled
-        clusters: measured. Stored read-only (any mapping accepted).
+      peak_flops: FLOP/s per device keyed by dtype name; must hold ``"float32"``, the
+        fallback for dtypes without a figure. A dtype with a curve in ``matmul_efficiency``
+        sustains this times the curve's fraction; one without sustains this figure. GPU
+        presets: the dense datasheet peak at XLA's default precision (float32 at TF32 on
+        A100/H100/H200), times the kind's fixed ``achieved_fraction`` for dtypes without a
+        curve (devices.py); profiled clusters: measured. Stored read-only.
       memory_bytes: device memory per device, bytes.
-      memory_bandwidth_bytes_per_s: device memory bandwidth per device, bytes/s.
+      memory_bandwidth_bytes_per_s: memory bandwidth a streaming kernel sustains per device,
+        bytes/s (GPU presets: datasheet x the kind's measured fraction, kernel_efficiency.json).
       intra_host: link between devices of one host.
       inter_host: link between devices of different hosts (per-device share of the network).
+      matmul_efficiency: per dtype name, points ``(FLOPs of one call on one device, fraction
+        of peak_flops)`` that `compute.flop_fraction` interpolates (log FLOPs, clamped);
+        empty: every call at the full ``peak_flops``. Stored read-only and sorted.
     """
 
     name: str
@@ -143,6 +176,8 @@ class ClusterSpec:
     memory_bandwidth_bytes_per_s: float
     intra_host: Link
     inter_host: Link
+    matmul_efficiency: Mapping[str, _efficiency.Curve] = dataclasses.field(
+        default_factory=dict)
 
     def __post_init__(self):
         for field in ("num_hosts", "devices_per_host"):
@@ -170,6 +205,10 @@ class ClusterSpec:
             value = getattr(self, field)
             if not isinstance(value, Link):
                 raise ValueError(f"ClusterSpec.{field} must be a Link, got {value!r}")
+        if not isinstance(self.matmul_efficiency, Mapping):
+            raise ValueError(f"ClusterSpec.matmul_efficiency must be a mapping, got "
+                             f"{self.matmul_efficiency!r}")
+        object.__setattr__(self, "matmul_efficiency", _FrozenCurves(self.matmul_efficiency))
 
     def __hash__(self) -> int:
         return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
@@ -234,7 +273,9 @@ class ClusterSpec:
     # --- JSON ---------------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict with a ``"format_version"``; inverse of :meth:`from_json`."""
+        """A JSON-ready dict with a ``"format_version"``; inverse of :meth:`from_json`
+        (``"matmul_efficiency"`` only when the spec has curves)."""
+        curves = {d: [list(p) for p in c] for d, c in self.matmul_efficiency.items()}
         return {
             "format_version": FORMAT_VERSION,
             "name": self.name,
@@ -246,6 +287,7 @@ class ClusterSpec:
             "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
             "intra_host": dataclasses.asdict(self.intra_host),
             "inter_host": dataclasses.asdict(self.inter_host),
+            **({"matmul_efficiency": curves} if curves else {}),
         }
 
     @classmethod
@@ -264,7 +306,7 @@ class ClusterSpec:
         unknown = sorted(set(d) - fields - {"format_version"})
         if unknown:
             raise ValueError(f"unknown field(s) {unknown}; expected {sorted(fields)}")
-        missing = sorted(fields - set(d))
+        missing = sorted(fields - set(d) - {"matmul_efficiency"})  # optional
         if missing:
             raise ValueError(f"missing field(s) {missing}")
         _check_type(d, "name", str)
@@ -287,6 +329,9 @@ class ClusterSpec:
             for key in ("alpha_s", "beta_s_per_byte"):
                 _check_type(d[field], key, float, where=f"{field}.")
             links[field] = Link(**d[field])
+        curves = d.get("matmul_efficiency", {})
+        if not isinstance(curves, Mapping):
+            raise ValueError(f"field 'matmul_efficiency': expected an object, got {curves!r}")
         try:
             return cls(
                 name=d["name"],
@@ -296,6 +341,7 @@ class ClusterSpec:
                 peak_flops=d["peak_flops"],
                 memory_bytes=d["memory_bytes"],
                 memory_bandwidth_bytes_per_s=d["memory_bandwidth_bytes_per_s"],
+                matmul_efficiency=curves,
                 **links,
             )
         except ValueError as e:
@@ -470,6 +516,9 @@ def _size_name(num_hosts: int, devices_per_host: int, kind: str) -> str:
 
 
 def _gpu_cluster(kind: _devices.DeviceKind, num_hosts: int, devices_per_host: int) -> ClusterSpec:
+    measured = _efficiency.table().get(kind.name)
+    curves = measured.curves() if measured else {}
+    bandwidth_fraction = measured.bandwidth_fraction if measured else 1.0
     intra_bw = kind.intra_host_bytes_per_s * _devices.NVLINK_EFFICIENCY
     # Each device's share of its node's network (all devices cross hosts at once under SPMD).
     inter_bw = kind.host_network_bytes_per_s * _devices.NETWORK_EFFICIENCY / kind.devices_per_node
@@ -478,11 +527,12 @@ def _gpu_cluster(kind: _devices.DeviceKind, num_hosts: int, devices_per_host: in
         num_hosts=num_hosts,
         devices_per_host=devices_per_host,
         device_kind=kind.name,
-        peak_flops=kind.sustained_flops(),
+        peak_flops=kind.sustained_flops(curves),
         memory_bytes=kind.memory_bytes,
-        memory_bandwidth_bytes_per_s=kind.memory_bandwidth_bytes_per_s,
+        memory_bandwidth_bytes_per_s=kind.memory_bandwidth_bytes_per_s * bandwidth_fraction,
         intra_host=Link(kind.intra_host_alpha_s, 1.0 / intra_bw),
         inter_host=Link(kind.inter_host_alpha_s, 1.0 / inter_bw),
+        matmul_efficiency=curves,
     )
 
 

@@ -7,9 +7,11 @@ seconds.
 Conventions and assumptions (apply to every GPU row):
 
 * Peak FLOP/s are *dense* figures (no structured sparsity) for the SXM form factor.
-  ``float32`` is the plain FP32 (CUDA core) rate, not TF32: stock XLA only uses TF32 when the
-  matmul precision allows it, so the conservative figure is the default; TF32 is recorded
-  under ``"tfloat32"`` for callers that opt in.
+  ``float32`` is the plain FP32 (CUDA core) rate and TF32 is recorded under ``"tfloat32"``;
+  ``default_precision`` says which rate XLA's default matmul precision runs a dtype at (TF32
+  for float32 on A100, H100 and H200: 5.3-5.5x the FP32 rate measured on the lent H100 and
+  H200, ``benchmarks/results/gpu-*.md``), and the presets price that dtype at that rate.
+  Elementwise float32 work is memory-bound on these parts, so one rate per dtype suffices.
 * Memory sizes are the marketed GB read as GiB (an "80GB" A100 reports 81,920 MiB in
   ``nvidia-smi``); the planner is expected to keep its own head-room for the runtime.
 * Links are *nominal* one-direction bandwidths; ``cluster.py`` derates them by
@@ -17,8 +19,10 @@ Conventions and assumptions (apply to every GPU row):
   reach on large messages) to get an effective bus bandwidth for the α-β model.
 * The host network figure is the aggregate of all NICs of one node; each device gets an equal
   share (all devices of a host talk across hosts at once in SPMD programs).
-* Matmuls are priced at ``peak x achieved_fraction`` where a published measurement calibrates
-  the fraction (V100 FP16: Megatron-LM's single-GPU run, cited at the row), else at the peak.
+* Matmuls are priced at ``peak x`` the fraction ``kernel_efficiency.json`` gives for the
+  call's size where the table has the kind and dtype (``efficiency.py``), else at
+  ``peak x achieved_fraction`` (1 where no measurement calibrates it); memory bandwidth at
+  the datasheet figure x the table's bandwidth fraction.
 * α (latency per collective) values are assumptions, not vendor figures: a few µs inside a
   node over NVLink/NVSwitch, ~10 µs over InfiniBand/EFA with GPUDirect, ~30 µs over TCP.
 """
@@ -26,7 +30,7 @@ Conventions and assumptions (apply to every GPU row):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 GB = 1e9  # vendor bandwidths are decimal
 GiB = 2.0**30
@@ -54,9 +58,11 @@ class DeviceKind:
       inter_host_alpha_s: assumed latency of one collective across nodes, seconds.
       devices_per_node: devices in the reference node.
       node: the reference node the link figures come from.
-      achieved_fraction: per dtype name, the fraction of ``peak_flops`` a training step's
-        matmuls sustain, calibrated on a published measurement (cited at the row); dtypes
-        without an entry are priced at the datasheet peak (optimistic, not calibrated).
+      achieved_fraction: per dtype name, a fixed fraction of ``peak_flops`` a training
+        step's matmuls sustain, for kinds and dtypes ``kernel_efficiency.json`` lacks; dtypes
+        without an entry in either are priced at the datasheet peak (not calibrated).
+      default_precision: per dtype name, the ``peak_flops`` entry XLA's default matmul
+        precision runs it at (``{"float32": "tfloat32"}`` where float32 dots use TF32).
     """
 
     name: str
@@ -71,10 +77,19 @@ class DeviceKind:
     devices_per_node: int
     node: str
     achieved_fraction: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    default_precision: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
-    def sustained_flops(self) -> dict[str, float]:
-        """FLOP/s per dtype the cost model prices matmuls at: peak x achieved fraction."""
-        return {d: v * self.achieved_fraction.get(d, 1.0) for d, v in self.peak_flops.items()}
+    def default_precision_flops(self) -> dict[str, float]:
+        """Dense peak FLOP/s per dtype at XLA's default precision (float32 at the TF32 rate
+        where ``default_precision`` says so)."""
+        return {d: self.peak_flops[self.default_precision.get(d, d)] for d in self.peak_flops}
+
+    def sustained_flops(self, curved: Collection[str] = ()) -> dict[str, float]:
+        """FLOP/s per dtype the cost model prices matmuls at: the default-precision peak,
+        times ``achieved_fraction`` for dtypes not in `curved` (those with a size curve,
+        which gives their fraction per call)."""
+        return {d: v * (1.0 if d in curved else self.achieved_fraction.get(d, 1.0))
+                for d, v in self.default_precision_flops().items()}
 
 
 # --- NVIDIA V100 -------------------------------------------------------------------------------
@@ -104,14 +119,8 @@ V100_16GB = DeviceKind(
     inter_host_alpha_s=30e-6,  # assumption (TCP over 25 GbE, no GPUDirect RDMA)
     devices_per_node=8,
     node="AWS p3.16xlarge",
-    # Calibration (tests/test_gpu_calibration.py): Megatron-LM (Shoeybi et al. 2019, §5.1)
-    # trains a 1.2B GPT (hidden 1536, 40 layers, 16 heads, seq 1024, batch 8, mixed
-    # precision, activation checkpointing) on one V100-32GB of a DGX-2H at 39 TFLOP/s,
-    # "30% of the theoretical peak" (130 TFLOP/s for the DGX-2H's V100s). Counting FLOPs as
-    # autopar.models.flops_per_step does (assumed: the paper does not give its formula) and
-    # scaling to this part's 125 TFLOP/s, autopar's step model reproduces 39 x 125/130 =
-    # 37.5 TFLOP/s for that run with 47% of the FP16 tensor peak on the matmuls.
-    achieved_fraction={"float16": 0.47},
+    # FP16 matmul efficiency: kernel_efficiency.json (Megatron-LM's single-GPU run, Shoeybi
+    # et al. 2019 §5.1, as tests/test_gpu_calibration.py checks).
 )
 
 V100_32GB = dataclasses.replace(
@@ -154,6 +163,7 @@ A100_40GB = DeviceKind(
     inter_host_alpha_s=15e-6,  # assumption (EFA with GPUDirect RDMA)
     devices_per_node=8,
     node="AWS p4d.24xlarge",
+    default_precision={"float32": "tfloat32"},  # XLA:GPU default precision on Ampere+
 )
 
 A100_80GB = dataclasses.replace(
@@ -200,6 +210,9 @@ H100_80GB = DeviceKind(
     inter_host_alpha_s=10e-6,  # assumption (EFA / NDR InfiniBand with GPUDirect RDMA)
     devices_per_node=8,
     node="AWS p5.48xlarge / NVIDIA DGX H100",
+    # benchmarks/results/gpu-NVIDIA-H100-80GB-HBM3.md: default-precision float32 8192^3 matmul
+    # at 368.5 TFLOP/s, precision=HIGHEST at 50.4.
+    default_precision={"float32": "tfloat32"},
 )
 
 # --- NVIDIA H200 -------------------------------------------------------------------------------

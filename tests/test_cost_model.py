@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autopar.cost_model import ClusterSpec, Link, collectives, compute
+from autopar.cost_model import ClusterSpec, Link, collectives, compute, efficiency
 
 LINK = Link(alpha_s=1e-5, beta_s_per_byte=1e-9)
 COLLECTIVE_FNS = [
@@ -57,16 +57,20 @@ def test_preset_grammar(name, hosts, per_host, kind):
 def test_preset_figures_are_the_datasheet_ones():
     a100 = ClusterSpec.preset("8xA100-80GB")
     assert a100.peak_flops_per_s(jnp.bfloat16) == 312e12
-    assert a100.peak_flops_per_s("float32") == 19.5e12
+    # float32 dots at XLA's default precision: TF32 (devices.py default_precision).
+    assert a100.peak_flops_per_s("float32") == a100.peak_flops_per_s("tf32") == 156e12
     assert a100.memory_bandwidth_bytes_per_s == 2039e9
     assert a100.memory_bytes == 80 * 2**30
     # Alpa's testbed: 25 Gbps per p3.16xlarge shared by 8 GPUs, derated by 0.8.
     v100 = ClusterSpec.preset("8x8xV100-16GB")
     assert v100.inter_host.bandwidth_bytes_per_s == pytest.approx(25e9 / 8 * 0.8 / 8)
     assert v100.intra_host.bandwidth_bytes_per_s > 10 * v100.inter_host.bandwidth_bytes_per_s
-    # The FP16 tensor peak (125 TFLOP/s) at the fraction calibrated on Megatron-LM's run.
-    assert v100.peak_flops_per_s("float16") == pytest.approx(125e12 * 0.47)
-    assert v100.peak_flops_per_s("float32") == 15.7e12
+    # The FP16 tensor peak (125 TFLOP/s) at the fraction calibrated on Megatron-LM's run
+    # (kernel_efficiency.json: one point, so every size).
+    assert v100.peak_flops_per_s("float16") == 125e12
+    assert compute.flop_fraction(1e9, "float16", v100) == 0.47
+    assert compute.flop_fraction(1e13, np.float16, v100) == 0.47
+    assert v100.peak_flops_per_s("float32") == 15.7e12  # no TF32 on V100
 
 
 def test_peak_flops_dtype_lookup():
@@ -109,7 +113,7 @@ def test_with_devices_keeps_hardware():
 # --- JSON -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["cpu-local", "2x8xA100-80GB", "8x8xV100-16GB"])
+@pytest.mark.parametrize("name", ["cpu-local", "2x8xA100-80GB", "8x8xV100-16GB", "4x8xH100-80GB"])
 def test_json_round_trip(tmp_path, name):
     spec = ClusterSpec.preset(name)
     path = tmp_path / "cluster.json"
@@ -287,7 +291,9 @@ def test_roofline_dtype_matters_and_validates():
     spec = ClusterSpec.preset("8xA100-80GB")
     f32 = compute.compute_time_s(1e15, 0, np.float32, spec)
     bf16 = compute.compute_time_s(1e15, 0, jnp.bfloat16, spec)
-    assert math.isclose(f32 / bf16, 312 / 19.5)
+    assert math.isclose(f32 / bf16, 312 / 156)  # float32 at TF32
+    f64 = compute.compute_time_s(1e15, 0, np.float64, spec)
+    assert math.isclose(f64 / bf16, 312 / 19.5)
     with pytest.raises(ValueError, match="flops"):
         compute.compute_time_s(-1, 0, "float32", spec)
 
@@ -328,10 +334,13 @@ def test_from_devices_gpu_matches_table():
     h200 = ClusterSpec.from_devices([_FakeDevice("NVIDIA H200", 0)])
     assert h200 == ClusterSpec.preset("1xH200-141GB")
     h100 = ClusterSpec.preset("1xH100-80GB")
-    # Same compute as the H100 (datasheet), more and faster memory.
+    # Same compute as the H100 (datasheet), more and faster memory, each at the bandwidth
+    # fraction measured on its lent GPU (kernel_efficiency.json).
     assert h200.peak_flops == h100.peak_flops
+    measured = efficiency.table()
     assert h200.memory_bandwidth_bytes_per_s / h100.memory_bandwidth_bytes_per_s == \
-        pytest.approx(4.8 / 3.35)
+        pytest.approx(4.8 * measured["H200-141GB"].bandwidth_fraction
+                      / (3.35 * measured["H100-80GB"].bandwidth_fraction))
 
 
 def test_from_devices_errors():
