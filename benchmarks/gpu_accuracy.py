@@ -38,6 +38,8 @@ from typing import Any
 import autopar
 from autopar import models as zoo
 from autopar.cost_model import ClusterSpec, efficiency
+from benchmarks import alpa_plans, suite
+from benchmarks.layouts import Pricer
 from benchmarks.stamp import stamp, stamp_markdown
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -57,11 +59,16 @@ class Run:
       model: zoo model whose config `overrides` adjust.
       batch: global batch (sequences or images).
       cluster: preset name, e.g. ``"8xV100-16GB"``.
-      layout: ``(dp, tp, pp, micro-batches)`` for `Manual3DParallel`; None: `ShardParallel`.
+      layout: ``(dp, tp, pp, micro-batches)`` for `Manual3DParallel`; None: `ShardParallel`
+        (or `alpa` when set).
       measured_step_s: measured seconds per training step.
       measured_memory_bytes: measured peak bytes per device, None where not published.
       note: what the row assumes beyond its source.
       overrides: zoo config fields replaced for this run.
+      alpa: Alpa's own plan for the run (stages, sub-meshes, logical meshes), priced as
+        `benchmarks.suite` prices Alpa's published plans.
+      series: rows that differ only in the micro-batch count share it (the sign of the
+        micro-batch-count effect is compared along it).
     """
 
     source: str
@@ -74,6 +81,8 @@ class Run:
     measured_memory_bytes: float | None
     note: str = ""
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    alpa: alpa_plans.AlpaPlan | None = None
+    series: str = ""
 
 
 SOURCES: dict[str, str] = {
@@ -82,6 +91,11 @@ SOURCES: dict[str, str] = {
     "alpa-log": ("alpa-projects/alpa benchmark/alpa/11-10.txt: 'Mean Time (s)' and 'Peak Mem "
                  "(GB)' of each case; 32 GB devices (the grid logs beside it report "
                  "avail=28.031GB), read as V100-32GB"),
+    "alpa-grid": ("alpa-projects/alpa benchmark/alpa/grid_log/grid_8.txt: GPT-2.6B, batch 1024, "
+                  "one host of 8 x 32 GB devices (avail=28.031GB, read as V100-32GB), Alpa's "
+                  "search at num_auto_layers=8 and 64, 128, 256 micro-batches: each case's "
+                  "'Result forward_stage_layer_ids / mesh_shapes / logical_mesh_shapes / "
+                  "autosharding_option_dicts' and its 'Mean Time (s)', 'Peak Mem (GB)'"),
     "megatron": ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on "
                  "GPU Clusters Using Megatron-LM' (arXiv 2104.04473), Table 1 (Selene, "
                  "80-GB A100s, seq 2048, vocab 51200); measured step = eq. (3) FLOPs / "
@@ -121,6 +135,18 @@ def _lent(kind: str, preset: str, model: str, batch: int, step_ms: float,
                step_ms / 1e3, compiled_gib * GIB, "zoo defaults (the check's own steps)")
 
 
+def _alpa_grid(micro: int, stage_layers: Sequence[Sequence[int]],
+               submeshes: Sequence[tuple[int, int]], logical: Sequence[tuple[int, int]],
+               force_dp: Sequence[bool], step_s: float, mem_gb: float) -> Run:
+    plan = alpa_plans.AlpaPlan("gpt-2.6b", micro, 8, tuple(tuple(s) for s in stage_layers),
+                               tuple(submeshes), tuple(logical), tuple(force_dp))
+    return Run("alpa-grid", f"GPT-2.6B batch 1024, 8 GPUs, {micro} micro-batches, "
+               f"{len(stage_layers)} stages (Alpa's plan)", "gpt-2.6b", 1024, "8xV100-32GB",
+               None, step_s, mem_gb * GIB, "as alpa-readme; Alpa's 8 layers mapped onto "
+               "autopar's (benchmarks/alpa_plans.py map_stages)", ALPA_GPT, plan,
+               "gpt-2.6b 8xV100-32GB Alpa search")
+
+
 RUNS: tuple[Run, ...] = (
     Run("alpa-readme", "GPT-2.6B batch 32, 2x2x2, 4 micro-batches", "gpt-2.6b", 32,
         "8xV100-16GB", (2, 2, 2, 4), 2.425, 8.745 * GIB,
@@ -134,6 +160,12 @@ RUNS: tuple[Run, ...] = (
         "4xV100-32GB", (4, 1, 1, 32), 49.219, 13.137 * GIB, "as alpa-readme", ALPA_GPT),
     Run("alpa-log", "GPT-760M batch 1024, 2 stages of 1 GPU, 64 micro-batches", "gpt-760m",
         1024, "2xV100-32GB", (1, 1, 2, 64), 59.206, 14.489 * GIB, "as alpa-readme", ALPA_GPT),
+    _alpa_grid(64, [[0, 1, 2, 3], [4, 5, 6, 7]], [(1, 4)] * 2, [(4, 1)] * 2, [True] * 2,
+               44.997, 13.196),
+    _alpa_grid(128, [[0], [1], [2], [3], [4, 5, 6, 7]], [(1, 1)] * 4 + [(1, 4)],
+               [(1, 1)] * 4 + [(4, 1)], [True, False, True, True, True], 48.299, 13.032),
+    _alpa_grid(256, [[k] for k in range(8)], [(1, 1)] * 8, [(1, 1)] * 8,
+               [False] + [True] * 7, 67.063, 10.725),
     _megatron("1.7", 24, 2304, 24, 1, 1, 32, 512, 137),
     _megatron("3.6", 32, 3072, 30, 2, 1, 64, 512, 138),
     _megatron("7.5", 32, 4096, 36, 4, 1, 128, 512, 142),
@@ -154,23 +186,31 @@ def price(run: Run) -> dict[str, Any]:
     """Plans `run` on its preset and returns its row: predictions, measurements and their
     ratios."""
     t0 = time.perf_counter()
-    step, args = zoo.train_step_and_args(run.model, run.batch, overrides=dict(run.overrides))
     cluster = ClusterSpec.preset(run.cluster)
-    if run.layout is None:
-        method = autopar.ShardParallel(memory_budget_bytes=1e12)
+    if run.alpa is not None:
+        pricer = Pricer(run.model, run.batch, cluster, overrides=tuple(run.overrides.items()))
+        layers = len(pricer.workload(run.alpa.micro).layers)
+        predicted, _ = suite.price_alpa_plan(pricer, run.alpa, layers)
     else:
-        dp, tp, pp, micro = run.layout
-        method = autopar.Manual3DParallel(dp=dp, tp=tp, pp=pp, num_micro_batches=micro,
-                                          memory_budget_bytes=1e12)
-    plan = autopar.plan(step, *args, cluster=cluster, method=method)
-    predicted = plan.predicted
+        step, args = zoo.train_step_and_args(run.model, run.batch,
+                                             overrides=dict(run.overrides))
+        if run.layout is None:
+            method = autopar.ShardParallel(memory_budget_bytes=1e12)
+        else:
+            dp, tp, pp, micro = run.layout
+            method = autopar.Manual3DParallel(dp=dp, tp=tp, pp=pp, num_micro_batches=micro,
+                                              memory_budget_bytes=1e12)
+        predicted = autopar.plan(step, *args, cluster=cluster, method=method).predicted
     mem = run.measured_memory_bytes
     return {
         "source": run.source, "label": run.label, "model": run.model, "batch": run.batch,
         "overrides": dict(run.overrides), "cluster": run.cluster,
         "layout": None if run.layout is None else dict(zip(("dp", "tp", "pp", "micro"),
                                                            run.layout)),
-        "note": run.note,
+        "alpa_plan": None if run.alpa is None else alpa_plans.describe(
+            run.alpa, alpa_plans.map_stages(run.alpa, layers)),
+        "micro": run.alpa.micro if run.alpa else run.layout[3] if run.layout else 1,
+        "series": run.series, "note": run.note,
         "measured_step_s": run.measured_step_s, "predicted_step_s": predicted.step_s,
         "step_ratio": predicted.step_s / run.measured_step_s,
         "measured_memory_bytes": mem, "predicted_memory_bytes": predicted.memory_bytes,
@@ -188,7 +228,22 @@ def summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 "within": sum(abs(x - 1) <= TOLERANCE for x in ratios)}
     by_source = {s: one([r for r in rows if r["source"] == s])
                  for s in dict.fromkeys(r["source"] for r in rows)}
-    return {"all": one(rows), "by_source": by_source}
+    return {"all": one(rows), "by_source": by_source, "micro_series": micro_signs(rows)}
+
+
+def micro_signs(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per series (rows differing only in the micro-batch count), the sign of the step
+    time's change from each micro-batch count to the next, measured and predicted."""
+    def signs(rs: Sequence[Mapping[str, Any]], key: str) -> list[int]:
+        return [(b[key] > a[key]) - (b[key] < a[key]) for a, b in zip(rs, rs[1:])]
+
+    out = {}
+    for name in dict.fromkeys(r["series"] for r in rows if r["series"]):
+        rs = sorted((r for r in rows if r["series"] == name), key=lambda r: r["micro"])
+        measured, predicted = signs(rs, "measured_step_s"), signs(rs, "predicted_step_s")
+        out[name] = {"micro": [r["micro"] for r in rs], "measured": measured,
+                     "predicted": predicted, "right": measured == predicted}
+    return out
 
 
 def markdown(report: Mapping[str, Any]) -> str:
@@ -219,8 +274,8 @@ def markdown(report: Mapping[str, Any]) -> str:
               "|---|---|---|---|---:|---:|---:|---:|"]
     for r in report["rows"]:
         lay = r["layout"]
-        layout = "ShardParallel" if lay is None else "/".join(
-            str(lay[k]) for k in ("dp", "tp", "pp", "micro"))
+        layout = r["alpa_plan"] or ("ShardParallel" if lay is None else "/".join(
+            str(lay[k]) for k in ("dp", "tp", "pp", "micro")))
         mem = "—" if r["memory_ratio"] is None else f"{r['memory_ratio']:.2f}"
         lines.append(f"| {r['source']} | {r['label']} | {r['cluster']} | {layout} | "
                      f"{r['measured_step_s']:.4g} | {r['predicted_step_s']:.4g} | "
@@ -229,6 +284,12 @@ def markdown(report: Mapping[str, Any]) -> str:
     for k, v in report["summary"]["by_source"].items():
         lines.append(f"| {k} | {v['rows']} | {v['worst']:.2f} | {v['median']:.2f} | "
                      f"{v['within']} |")
+    lines += ["", "Micro-batch-count effect (sign of the step time's change from one count to "
+              "the next):", "", "| series | micro-batches | measured | predicted | sign right |",
+              "|---|---|---|---|---|"]
+    for name, m in report["summary"]["micro_series"].items():
+        lines.append(f"| {name} | {', '.join(map(str, m['micro']))} | {m['measured']} | "
+                     f"{m['predicted']} | {'yes' if m['right'] else 'no'} |")
     lines += ["", "## Assumptions", ""]
     lines += [f"- {r['label']}: {r['note']}" for r in report["rows"] if r["note"]]
     lines += [f"- {n}" for n in report["notes"]]
@@ -244,8 +305,13 @@ CALIBRATION = (
 NOTES = (
     "A100 has no row in kernel_efficiency.json (no calibration source outside the "
     "validation set): its matmuls are priced at the datasheet peak, float32 at TF32.",
-    "No validation source here varies the micro-batch count of one run, so the sign of the "
-    "micro-batch-count effect is not checked on this page.",
+    "Alpa's grid rows run Alpa's own plans: their layers (alpa_plans.map_stages), stage "
+    "sub-meshes and logical meshes, each stage's layout solved by autopar's layer ILPs on "
+    "Alpa's logical mesh (benchmarks.suite.price_alpa_plan), the faster of the optimizer "
+    "state whole or split kept; Alpa searched each case's plan, so the series changes plan "
+    "as well as micro-batch count.",
+    "Convolutions are priced with the matmul curve of their dtype: no convolution "
+    "measurement is a calibration source.",
 )
 
 

@@ -239,6 +239,12 @@ def _alpa(pricer: Pricer, suite: str, devices: int, num_layers: int
     plan = alpa_plans.alpa_plan(suite, devices, pricer.model)
     if plan is None:
         return None, {"note": "Alpa published no plan for this case"}
+    return price_alpa_plan(pricer, plan, num_layers)
+
+
+def price_alpa_plan(pricer: Pricer, plan: alpa_plans.AlpaPlan, num_layers: int
+                    ) -> tuple[Evaluation | None, dict]:
+    """`plan` priced as `_alpa` prices a published one (also `benchmarks.gpu_accuracy`)."""
     try:
         stages = alpa_plans.map_stages(plan, num_layers)
     except ValueError as err:
