@@ -2,25 +2,23 @@
 fastest predicted plan that fits memory.
 
 The step is traced at micro-batch size, so every count B is its own traced program and its
-own search (each through the plan cache).  The counts tried are a ladder of divisors of the
-batch (`ladder`: 1, 2, 4, ... — every divisor at least twice the previous one, and the
-batch itself), all of them for a short ladder, else explored by hill climbing from the
-middle of the ladder (`explore`):
+own search (each through the plan cache): the layer ILPs of one count do not serve another
+(the micro-batch's rows, the 1/B share of the gradient reduction and of the update all
+change their coefficients).  The counts are a ladder of divisors of the batch (`ladder`: 1,
+2, 4, ... — every divisor at least twice the previous one, and the batch itself), and the
+answer is the one trying every count would give, found trying few (`bounded`):
 
 - memory: a count whose search finds no layout that fits (bigger micro-batches need more
   activation memory) rules out every smaller count too;
-- bubble and per-micro-batch overheads: the predicted step time Σ t_i + (B − 1)·max t_i
-  falls with B while the pipeline bubble shrinks and rises once per-micro-batch costs
-  (latencies, small kernels) dominate, so the search walks downhill from the start and
-  stops in a direction at the first count that is slower than its neighbour, after looking
-  one count further towards more micro-batches (memory: below);
-- two valleys: one stage with no bubble is fastest with few micro-batches, a pipeline with
-  many, and the climb from the middle finds one of them.  A second climb starts from the
-  fewest micro-batches that fit (wrn-6.8b on 32 H100s: the first stopped at 128
-  micro-batches and 7.967 s, one stage with 2 runs in 7.947 s).
+- bubble and per-micro-batch costs: a searched count's stage costs bound every larger
+  count from below (`lower_bound_s`: no layer range gets faster per row on smaller
+  micro-batches, so the stage DP over its costs scaled by the rows, with the larger
+  count's bubble, is below any plan of that count), and a count whose bound is above the
+  best plan found is not searched.
 
 The chosen plan records every try in `Plan.solver["micro_batch_tries"]` (count, predicted
-step seconds or why it failed, search seconds); `autopar.report` shows them.
+step seconds or why it failed, search seconds) and the counts left out by their bound in
+`solver["micro_batch_bounded"]`; `autopar.report` shows the tries.
 """
 
 from __future__ import annotations
@@ -34,9 +32,12 @@ import jax
 
 from autopar.cost_model import ClusterSpec
 
+from . import pipeline_planner
 from .microbatch import MicroBatchError
+from .passes import inter_op
 from .passes.inter_op import NoStageLayoutError
 from .passes.intra_op import MemoryBudgetError
+from .pipeline_planner import StageCostTable
 from .plan import Plan
 
 if TYPE_CHECKING:
@@ -79,91 +80,93 @@ def ladder(batch_size: int) -> list[int]:
     return out
 
 
-# Ladders this short are tried whole (small batches: each search is short, and the step time
-# need not be unimodal there: one stage without a bubble can beat every pipeline).
-EXHAUSTIVE_MAX = 6
+def lower_bound_s(table: StageCostTable, count: int) -> float | None:
+    """Seconds per step no plan of `count` micro-batches beats, from the stage costs a search
+    of `table.num_micro_batches` <= `count` micro-batches priced (None: a count below it).
+
+    A micro-batch of the larger count holds `table.num_micro_batches / count` times the
+    rows, and no layer range gets faster per row on smaller micro-batches: what scales with
+    the rows (compute, activations moved) scales at best in proportion, and what does not
+    (parameter-gradient accumulation, latencies, the per-step update and gradient
+    reduction amortized over the micro-batches) stays; a smaller micro-batch also has no
+    layout a larger one lacks (a dim that splits over an axis splits at any multiple).  So
+    each range's time-optimal seconds per micro-batch at `count` are at least the table's,
+    scaled by that ratio (as are their activations' copies from the stage before), and the
+    stage DP over those (Σ t_i + (count − 1) · max t_i: the plan's objective without its
+    memory, re-layouts and per-step moves, each >= 0) bounds every plan of `count`
+    micro-batches from below."""
+    if count < table.num_micro_batches:
+        return None
+    scale = table.num_micro_batches / count
+
+    def cost(i: int, j: int, s: int) -> float:
+        seconds = table.least_s.get((i, j, table.submeshes[s]))
+        return 0.0 if seconds is None else seconds * scale  # not priced: no bound
+
+    try:
+        return inter_op.run(table.num_layers, table.submeshes, cost,
+                            num_devices=table.num_devices, num_micro_batches=count,
+                            num_stages=table.num_stages).total_s
+    except NoStageLayoutError:
+        return None
 
 
-def explore(counts: Sequence[int], evaluate: Callable[[int], float | None],
-            start: int | None = None) -> int | None:
-    """Index into `counts` of the fastest count found: every count of a ladder of at most
-    `EXHAUSTIVE_MAX`, else steepest-descent hill climbing from `start` (default: the
-    middle; both neighbours of each count are priced), and again from the fewest
-    micro-batches that fit;
+def bounded(counts: Sequence[int], evaluate: Callable[[int], float | None],
+            bound: Callable[[int], float | None]) -> int | None:
+    """Index into `counts` of the fastest count, as if every count were evaluated:
     `evaluate(count)` gives predicted seconds or None (no layout fits: every smaller count
-    is then skipped).  Each count is evaluated at most once."""
-    if not counts:
-        return None
+    is then out too); `bound(count)` seconds no plan of that count beats, from the counts
+    evaluated so far (None: none known), and a count whose bound is above the best found is
+    never evaluated (ties go to the smaller count, as in the exhaustive search).
+
+    Order: the fewest micro-batches first (a count's stage costs bound the larger counts
+    only, and with memory to spare one stage without a bubble is often the fastest);
+    after a count that does not fit, the middle of the counts between the largest that
+    does not and the smallest that does (bisection for the memory floor); then, every
+    count below the smallest that fits being out, the fewest micro-batches not yet
+    evaluated or bounded out."""
     seen: dict[int, float | None] = {}
-    if len(counts) <= EXHAUSTIVE_MAX:
-        for k in range(len(counts) - 1, -1, -1):  # most micro-batches (least memory) first
-            seen[k] = evaluate(counts[k])
-            if seen[k] is None:
-                break  # bigger micro-batches need more memory still
-        ok = [k for k, v in seen.items() if v is not None]
-        return min(ok, key=lambda k: (seen[k], k)) if ok else None
+    floor = -1  # counts at or below this index do not fit
 
-    def value(k: int) -> float | None:
-        if k not in seen:
-            seen[k] = evaluate(counts[k])
-        return seen[k]
+    def best() -> tuple[float, int] | None:
+        ok = [(v, k) for k, v in seen.items() if v is not None]
+        return min(ok) if ok else None
 
-    k = len(counts) // 2 if start is None else start
-    while value(k) is None and k + 1 < len(counts):
-        k += 1  # too big a micro-batch: go to smaller ones (more micro-batches)
-    if value(k) is None:
-        return None
-    first = _climb(k, counts, value, seen)
-    # The other valley: from the fewest micro-batches that fit.
-    k = max((j for j, v in seen.items() if v is None), default=-1) + 1
-    while value(k) is None:
-        k += 1
-    second = _climb(k, counts, value, seen)
-    return min((first, second), key=lambda j: (seen[j], j))
+    def beaten(k: int, incumbent: tuple[float, int] | None) -> bool:
+        if incumbent is None:
+            return False
+        b = bound(counts[k])
+        return b is not None and (b, k) > incumbent
 
-
-def _climb(k: int, counts: Sequence[int], value: Callable[[int], float | None],
-           seen: dict[int, float | None]) -> int:
-    """Steepest descent over the ladder from index `k` (which fits); see `explore`."""
-    floor = max((j for j, v in seen.items() if v is None), default=-1)
     while True:
-        # Both neighbours, then the better: a count whose stages only fit memory-lean
-        # (parameters cut finely, gathered every micro-batch) can beat its neighbour on one
-        # side and be far slower than the other.
-        best_j, best_v = k, value(k)
-        for j in (k - 1, k + 1):
-            if floor < j < len(counts):
-                vj = value(j)
-                if vj is None:
-                    floor = max(floor, j)
-                elif vj < best_v:
-                    best_j, best_v = j, vj
-        if best_j == k:
-            # Memory makes the step time bumpy in the count: where a count's stages only
-            # fit with memory-saving layouts (optimizer state split and gathered back over a
-            # slow link, parameters cut finely), the next count up can be a little slower
-            # and the one after it, whose smaller micro-batches fit without them, faster.
-            # One more count up before stopping.
-            j = k + 2
-            if not (j < len(counts) and j not in seen and seen.get(k + 1) is not None):
-                return k
-            vj = value(j)
-            if vj is None or vj >= best_v:
-                return k
-            best_j = j
-        k = best_j
+        incumbent = best()
+        open_ = [k for k in range(floor + 1, len(counts))
+                 if k not in seen and not beaten(k, incumbent)]
+        if not open_:
+            return None if incumbent is None else incumbent[1]
+        fits = [k for k, v in seen.items() if v is not None]
+        below = [k for k in open_ if not fits or k < min(fits)]
+        # bisection for the memory floor, once a count is known not to fit; else the
+        # fewest micro-batches (its stage costs bound every count above it)
+        k = below[len(below) // 2] if below and seen else open_[0]
+        seen[k] = evaluate(counts[k])
+        if seen[k] is None:
+            floor = max(floor, k)
 
 
 def search(step: ParallelizedFunction, dynamic: list, static: tuple, positions: list[int],
            in_tree, cluster: ClusterSpec, device_ids: list[int]) -> Traced:
     """`step._plan` for a method with `num_micro_batches="auto"`: traces and searches the
-    counts `explore` visits and returns the fastest one's `Traced`."""
+    counts `bounded` visits (each search's stage costs bound the larger counts,
+    `lower_bound_s`) and returns the fastest one's `Traced`."""
     from .api import Traced
 
     method = step.method
     counts = ladder(_batch_size(step, dynamic, positions, in_tree))
     results: dict[int, tuple[Any, Any, Plan]] = {}
     tries: list[Try] = []
+    tables: dict[int, StageCostTable] = {}
+    bounds: dict[tuple[int, int], float | None] = {}
 
     def evaluate(count: int) -> float | None:
         t0 = time.perf_counter()
@@ -173,12 +176,17 @@ def search(step: ParallelizedFunction, dynamic: list, static: tuple, positions: 
         try:
             traced, split, fp = step._trace_for(dynamic, static, positions, in_tree, count,
                                                 method.pipelined, cluster)
-            plan = step._search_cached(method_b, traced, split, fp, cluster, device_ids)
+            with pipeline_planner.recording():
+                plan = step._search_cached(method_b, traced, split, fp, cluster, device_ids)
         except (MemoryBudgetError, NoStageLayoutError, MicroBatchError) as err:
             # no layout fits (memory), or the batch does not split: this count is out
             tries.append(Try(count, None, time.perf_counter() - t0,
                              error=" ".join(str(err).split())[:200]))
             return None
+        if "stage_costs" in plan.solver:
+            tables[count] = StageCostTable.from_json(plan.solver["stage_costs"])
+            plan = dataclasses.replace(plan, solver={
+                k: v for k, v in plan.solver.items() if k != "stage_costs"})
         results[count] = (traced, split, plan)
         cached = bool(plan.solver.get("plan_cache", {}).get("hit"))
         tries.append(Try(count, plan.predicted.step_s, time.perf_counter() - t0,
@@ -189,15 +197,27 @@ def search(step: ParallelizedFunction, dynamic: list, static: tuple, positions: 
                           f"per step (best so far {best * 1e3:.3f} ms)")
         return plan.predicted.step_s
 
-    k = explore(counts, evaluate)
+    def bound(count: int) -> float | None:
+        found = None
+        for b, table in tables.items():
+            if (b, count) not in bounds:
+                bounds[(b, count)] = lower_bound_s(table, count)
+            if bounds[(b, count)] is not None:
+                found = max(found or 0.0, bounds[(b, count)])
+        return found
+
+    k = bounded(counts, evaluate, bound)
     if k is None:
         detail = "; ".join(f"B={t.num_micro_batches}: {t.error}" for t in tries)
         raise ValueError(f"num_micro_batches='auto': no micro-batch count in {counts} gives a "
                          f"plan that fits ({detail})")
     traced, split, plan = results[counts[k]]
+    tried = {t.num_micro_batches for t in tries}
+    pruned = [{"num_micro_batches": c, "bound_s": bound(c)} for c in counts
+              if c not in tried and bound(c) is not None and bound(c) >= plan.predicted.step_s]
     plan = dataclasses.replace(plan, solver={
         **plan.solver, "micro_batch_tries": [t.to_json() for t in tries],
-        "micro_batch_candidates": counts})
+        "micro_batch_bounded": pruned, "micro_batch_candidates": counts})
     return Traced(traced.program, plan, split, traced.out_tree, in_tree, traced.args_info,
                   _trace=traced, _positions=positions, _trace_static=static, _step=step)
 

@@ -22,12 +22,14 @@ layer's solution (`LayerPlan`), which the runtime emits as sharding constraints.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from autopar.cost_model import ClusterSpec, Link
@@ -105,6 +107,52 @@ class _Priced:
     # asks for the same layer's terms once per layer range holding it (thousands of times
     # on GPT-39B).
     _memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCostTable:
+    """What one pipeline search's stage DP priced (`recording`), for `num_micro_batches`
+    micro-batches of the step: per layer range and sub-mesh it asked, the seconds per
+    micro-batch of the range's fastest time-optimal layouts on it (memory not checked) with
+    its activations received as fast as they can be (None: no such layout), and the
+    plan's predicted step seconds.  Every stage a plan can hold takes at least that long."""
+
+    num_micro_batches: int
+    num_layers: int
+    num_devices: int
+    submeshes: tuple[tuple[int, int], ...]
+    num_stages: int | None
+    least_s: Mapping[tuple[int, int, tuple[int, int]], float | None]
+    step_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"num_micro_batches": self.num_micro_batches, "num_layers": self.num_layers,
+                "num_devices": self.num_devices, "submeshes": [list(s) for s in self.submeshes],
+                "num_stages": self.num_stages, "step_s": self.step_s,
+                "least_s": [[i, j, *sub, c] for (i, j, sub), c in self.least_s.items()]}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> StageCostTable:
+        return StageCostTable(
+            d["num_micro_batches"], d["num_layers"], d["num_devices"],
+            tuple((h, m) for h, m in d["submeshes"]), d["num_stages"],
+            {(i, j, (h, m)): c for i, j, h, m, c in d["least_s"]}, d["step_s"])
+
+
+_recording: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "autopar_stage_cost_tables", default=False)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[None]:
+    """Pipeline searches inside the block leave their `StageCostTable` in their plan's
+    `solver["stage_costs"]` (`StageCostTable.to_json`; the plans are otherwise unchanged,
+    and a plan cache hit brings back the table its search left)."""
+    token = _recording.set(True)
+    try:
+        yield
+    finally:
+        _recording.reset(token)
 
 
 def diff_values(split: pipeline.SplitStep, graph: Graph) -> set[int]:
@@ -845,6 +893,10 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             state_bytes_per_param_byte, o.zero, whole_step=whole) <= budget]
         return min(ok, key=lambda o: o.cost_s) if ok else None
 
+    # Per layer range and sub-mesh: its fastest time-optimal option's seconds per
+    # micro-batch, memory not checked (None: no option), for `StageCostTable`.
+    free_costs: dict[tuple[int, int, tuple[int, int]], float | None] = {}
+
     def fitting_stage(i: int, j: int, submesh: tuple[int, int], in_flight: int
                       ) -> _StageEstimate | None:
         """The fastest option of layers i..j that fits at the first trade-off level where
@@ -853,7 +905,11 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         for level in range(LEAN + 1):
             if 0 < level < LEAN and knee_of(submesh) is None:
                 continue    # no layer trades time for memory here: nothing in between
-            best = fitting(stage_options(i, j, submesh, level), in_flight, whole)
+            options = stage_options(i, j, submesh, level)
+            if not level:
+                free_costs.setdefault((i, j, submesh),
+                                      min((o.cost_s for o in options), default=None))
+            best = fitting(options, in_flight, whole)
             if best is not None:
                 return best
         return None
@@ -894,15 +950,30 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         best = fitting_stage(i, j, submesh, max(1, n // size))
         if best is None:
             return None
-        if (i, j) not in received:
-            prog = pipeline.program_for_range(graph, ranges[i][0], ranges[j][1])
-            received[(i, j)] = [v for v in prog.inputs if v in activations]
         recv = sum(transfer_s(graph.values[v].nbytes, size, size, link) * (1 + (v in diff))
-                   for v in received[(i, j)])
+                   for v in received_values(i, j))
         return best.cost_s + recv
 
     activations = {o for e in graph.eqns for o in e.outputs}
     received: dict[tuple[int, int], list[int]] = {}
+
+    def received_values(i: int, j: int) -> list[int]:
+        """The activations layers i..j read from the layers before them."""
+        if (i, j) not in received:
+            prog = pipeline.program_for_range(graph, ranges[i][0], ranges[j][1])
+            received[(i, j)] = [v for v in prog.inputs if v in activations]
+        return received[(i, j)]
+
+    def least_stage_s(i: int, j: int, submesh: tuple[int, int]) -> float | None:
+        """Seconds per micro-batch layers i..j take at least as a stage on `submesh`: its
+        fastest time-optimal option (None: none) and its received activations and their
+        cotangents arriving as fast as they can (`least_transfer_s`)."""
+        layers_s = free_costs.get((i, j, submesh))
+        if layers_s is None:
+            return None
+        return layers_s + sum(
+            least_transfer_s(submesh, graph.values[v].nbytes, hosts, per_host, cluster)
+            * (1 + (v in diff)) for v in received_values(i, j))
     assemble = functools.partial(
         _assemble, hosts=hosts, per_host=per_host, device_ids=device_ids, ranges=ranges,
         graph=graph, diff=diff, params=params, micro=micro,
@@ -970,6 +1041,12 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     # own collectives included); the rest of the step is the pipeline's fill and drain
     # bubble and the transfers between stages.
     compute = micro * max(st.predicted_s - st.transfer_s for st in stages)
+    recorded = {}
+    if _recording.get() and layout.submesh_shapes is None and not layout.equal_layers:
+        recorded["stage_costs"] = StageCostTable(
+            micro, lay.num_layers, n, tuple(inter_op.submesh_shapes(hosts, per_host)),
+            layout.num_stages, {key: least_stage_s(*key) for key in free_costs},
+            step_s).to_json()
     return Plan(
         fingerprint=fp, method=method.name, cluster=cluster.name, mesh_shape=(n,),
         mesh_axes=("x",), device_ids=tuple(device_ids), input_names=tuple(input_names),
@@ -980,7 +1057,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         solver={"layers": lay.num_layers, "layering": lay.source,
                 "layer_solves": len(layer_cache), "search_s": time.perf_counter() - t0,
                 "phases_s": phases, "per_step_transfer_s": per_step_s,
-                "transfers": transfers, "stage_candidates": len(choices)},
+                "transfers": transfers, "stage_candidates": len(choices), **recorded},
         stages=tuple(stages), num_micro_batches=micro, schedule=method.schedule)
 
 
@@ -1077,6 +1154,20 @@ def transfer_s(nbytes: float, src_devices: int, dst_devices: int, link: Link) ->
     pairs as the smaller side has devices.  The assembled plan prices each transfer from
     both layouts instead (`_with_transfers`)."""
     return send_recv_s(nbytes / max(1, min(src_devices, dst_devices)), 2, link)
+
+
+def least_transfer_s(submesh: tuple[int, int], nbytes: float, hosts: int, per_host: int,
+                     cluster: ClusterSpec) -> float:
+    """The fewest seconds a stage on `submesh` (of a `hosts` x `per_host` cluster) can take
+    to receive a value of `nbytes` from another stage: each of its devices copying at most
+    its own share, 1/size of the value (`transfer_cost.price_transfer`: a sender of as many
+    devices copies each device's shard, one of another size whole copies; the re-layouts
+    on either side cost >= 0), over the fastest link its sender can be behind (another
+    host's, when the stage holds whole hosts: `_stage_link`)."""
+    size = submesh[0] * submesh[1]
+    links = ([cluster.inter_host] if hosts > 1 and submesh[1] == per_host
+             else [cluster.intra_host] + ([cluster.inter_host] if hosts > 1 else []))
+    return min(send_recv_s(nbytes / size, 2, link) for link in links)
 
 
 def _stage_link(a: Sequence[int], b: Sequence[int], cluster: ClusterSpec,

@@ -125,51 +125,10 @@ def test_shard_search_solves_a_mirror_mesh_once():
     assert plan.predicted.step_s == min(costs.values())
 
 
-def test_ladder_and_explore():
+def test_ladder():
     assert micro_batches.ladder(1024) == [2 ** k for k in range(11)]
     assert micro_batches.ladder(12) == [1, 2, 4, 12]
     assert micro_batches.ladder(1536)[-3:] == [256, 512, 1536]
-    counts = [2 ** k for k in range(11)]
-    seen = []
-
-    def valley(b):  # fits from 4 on, fastest at 64
-        seen.append(b)
-        return None if b < 4 else abs(np.log2(b) - 6) + 1
-
-    assert counts[micro_batches.explore(counts, valley)] == 64
-    assert len(seen) == len(set(seen)) < len(counts)
-    assert micro_batches.explore(counts, lambda b: None) is None
-    short = [1, 2, 4, 8]
-    order = []
-    best = micro_batches.explore(short, lambda b: order.append(b) or (None if b == 2 else 1.0 / b
-                                                                      if b > 2 else 0.1))
-    assert short[best] == 8 and order == [8, 4, 2]  # 1 skipped: 2 did not fit
-
-    # GPT-15B on 32 V100s (suite, 2026-11-24): from 32, fewer micro-batches only fit with
-    # memory-lean stages (4,686 s at 16, 5,422 s at 32) while 256 runs in ~100 s.  Taking
-    # the first better neighbour went to 16 and stopped; both neighbours are priced now.
-    def lean_trap(b):
-        return None if b < 16 else {16: 4686.0, 32: 5422.0}.get(b, 100.0 + abs(b - 256) / 8)
-
-    assert counts[micro_batches.explore(counts, lean_trap, start=5)] == 256
-
-    # GPT-15B again (suite, 2026-11-24, with the ZeRO-2 gathers priced): 64 micro-batches
-    # split the last stage's optimizer state over the inter-host axis, 128 a little slower,
-    # 256 fits without the split and is the fastest.  The climb looks one count past a
-    # slower neighbour towards more micro-batches.
-    bump = {32: 982.7, 64: 122.92, 128: 123.33, 256: 119.5, 512: 121.0, 1024: 125.0}
-    seen.clear()
-    got = micro_batches.explore(counts, lambda b: seen.append(b) or (
-        None if b < 16 else bump.get(b, 4642.0)))
-    assert counts[got] == 256 and len(seen) == len(set(seen))
-
-    # wrn-6.8b on 32 H100s (suite, 2026-11-25): one stage is fastest with 2 micro-batches
-    # (7.947 s), a pipeline with 128 (7.967 s); the climb from the middle found the second.
-    two_valleys = {1: 7.965, 2: 7.947, 4: 7.955, 8: 7.97, 16: 8.002, 32: 8.021, 64: 7.983,
-                   128: 7.967, 256: 8.371, 512: 8.768, 1024: 9.5}
-    seen.clear()
-    got = micro_batches.explore(counts, lambda b: seen.append(b) or two_valleys[b])
-    assert counts[got] == 2 and len(seen) == len(set(seen))
 
 
 def test_auto_is_no_slower_than_the_suites_two_counts(tmp_path, monkeypatch):
@@ -179,14 +138,16 @@ def test_auto_is_no_slower_than_the_suites_two_counts(tmp_path, monkeypatch):
     auto = autopar.plan(step, *args, cluster=cluster,
                         method=autopar.PipeshardParallel(num_micro_batches="auto"))
     tries = auto.solver["micro_batch_tries"]
-    assert [t["num_micro_batches"] for t in tries] == [8, 4, 2, 1]
+    tried = [t["num_micro_batches"] for t in tries]
+    bounded = [t["num_micro_batches"] for t in auto.solver["micro_batch_bounded"]]
+    assert sorted(tried + bounded) == [1, 2, 4, 8]
     assert auto.num_micro_batches in (1, 2, 4, 8)
     assert auto.predicted.step_s == min(t["step_s"] for t in tries)
     for first in (1, 2):  # the suite: the best hand-written plan's count B and 4 x B
         for count in (first, 4 * first):
             fixed = autopar.plan(step, *args, cluster=cluster,
                                  method=autopar.PipeshardParallel(num_micro_batches=count))
-            assert fixed.solver["plan_cache"]["hit"] is True
+            assert fixed.solver.get("plan_cache", {}).get("hit", False) is (count in tried)
             assert auto.predicted.step_s <= fixed.predicted.step_s
     assert "micro-batches tried" in auto.summary()
     again = autopar.plan(step, *args, cluster=cluster,

@@ -1,0 +1,95 @@
+"""`num_micro_batches="auto"` (autopar.micro_batches) gives the count trying every count
+gives, without trying every one: the bounded search over synthetic landscapes, the stage-cost
+bound against real searches of a small GPT, and auto's plan against the best explicit one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import autopar
+from autopar import micro_batches, models, pipeline_planner, plan_cache
+
+COUNTS = [2 ** k for k in range(11)]
+
+
+def _run(values: dict[int, float | None], slack: float) -> tuple[int | None, list[int]]:
+    """`bounded` over `values` (count -> seconds, None: does not fit) with a bound that is
+    the value of a count times `slack` once a count at or below it has been evaluated."""
+    seen: list[int] = []
+
+    def evaluate(count: int) -> float | None:
+        seen.append(count)
+        return values[count]
+
+    def bound(count: int) -> float | None:
+        if not any(c <= count for c in seen) or values[count] is None:
+            return None
+        return values[count] * slack
+
+    return micro_batches.bounded(list(values), evaluate, bound), seen
+
+
+GPT_39B = dict(zip(COUNTS, [132.69, 133.70, 135.0, 150.0, 198.83, 173.38, 189.63, 183.39,
+                            170.0, 168.0, 165.24]))
+
+
+@pytest.mark.parametrize("landscape", [
+    # GPT-15B on 32 V100s (suite, 2026-11-24): fewer micro-batches fit only memory-lean.
+    {c: (None if c < 16 else {16: 4686.0, 32: 5422.0}.get(c, 100.0 + abs(c - 256) / 8))
+     for c in COUNTS},
+    # GPT-15B with the ZeRO-2 gathers priced: a bump at 128 between 64 and 256.
+    {c: (None if c < 16 else {32: 982.7, 64: 122.92, 128: 123.33, 256: 119.5, 512: 121.0,
+                              1024: 125.0}.get(c, 4642.0)) for c in COUNTS},
+    # wrn-6.8b on 32 H100s (suite, 2026-11-25): two valleys, one stage at 2, a pipeline at 128.
+    dict(zip(COUNTS, [7.965, 7.947, 7.955, 7.97, 8.002, 8.021, 7.983, 7.967, 8.371, 8.768,
+                      9.5])),
+    GPT_39B,
+    {1: 2.0, 2: 1.0, 4: 1.0, 8: 3.0},  # a tie: the smaller count
+    {c: None for c in COUNTS},
+])
+def test_bounded_finds_the_exhaustive_answer(landscape):
+    fit = [(v, k) for k, v in enumerate(landscape.values()) if v is not None]
+    for slack in (0.0, 0.9, 1.0):  # no bound, a loose one, the exact value
+        got, seen = _run(landscape, slack)
+        assert got == (min(fit)[1] if fit else None)
+        assert len(seen) == len(set(seen))
+    assert _run(GPT_39B, 1.0)[1] == [1]  # every larger count bounded out
+
+
+def test_bounded_bisects_for_the_memory_floor():
+    landscape = {c: (None if c < 256 else 1.0 + c / 1024) for c in COUNTS}
+    got, seen = _run(landscape, 1.0)
+    assert COUNTS[got] == 256
+    assert seen == [1, 64, 512, 256, 128]  # fewest first, then bisection; 1024 bounded out
+
+
+def test_auto_on_a_small_gpt_is_the_best_explicit_count(tmp_path, monkeypatch):
+    """gpt-toy on 4 V100s: auto's plan is the fastest of every explicit count's (those auto
+    searched come from the plan cache it filled, the others are searched here), and every
+    searched count's stage costs bound every larger count's plan from below."""
+    monkeypatch.setenv(plan_cache.ENV_VAR, str(tmp_path))
+    step, args = models.train_step_and_args("gpt-toy", 8)
+    cluster = autopar.ClusterSpec.preset("2x8xV100-16GB").with_devices(1, 4)
+    with pipeline_planner.recording():
+        auto = autopar.plan(step, *args, cluster=cluster,
+                            method=autopar.PipeshardParallel(num_micro_batches="auto"))
+        plans = {count: autopar.plan(step, *args, cluster=cluster,
+                                     method=autopar.PipeshardParallel(num_micro_batches=count))
+                 for count in micro_batches.ladder(8)}
+    tried = [t["num_micro_batches"] for t in auto.solver["micro_batch_tries"]]
+    bounded = [t["num_micro_batches"] for t in auto.solver["micro_batch_bounded"]]
+    assert bounded and sorted(tried + bounded) == list(plans)
+    best = min(plans, key=lambda c: (plans[c].predicted.step_s, c))
+    assert dataclasses.replace(auto, solver={}) == dataclasses.replace(plans[best], solver={})
+    assert "stage_costs" not in auto.solver
+    tables = {c: pipeline_planner.StageCostTable.from_json(p.solver["stage_costs"])
+              for c, p in plans.items()}
+    for b, table in tables.items():
+        assert table.num_micro_batches == b
+        assert table.step_s == plans[b].predicted.step_s
+        for count, plan in plans.items():
+            bound = micro_batches.lower_bound_s(table, count)
+            assert (bound is None) == (count < b)
+            assert bound is None or bound <= plan.predicted.step_s * (1 + 1e-9)
