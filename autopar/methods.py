@@ -69,7 +69,12 @@ class Method(Protocol):
 
 @runtime_checkable
 class MeshMethod(Method, Protocol):
-    """A method that runs the whole step as one SPMD program on one mesh."""
+    """A method that runs the whole step as one SPMD program on one mesh.
+
+    Optional: `batch_mesh_axis(mesh) -> str | None`, the only axis of `mesh` that may
+    split a batch dim of any value computed from the batch (None: any axis); the planner
+    reads it where a method has it (`ShardParallel.batch_axis`).
+    """
 
     def mesh_shapes(self, num_devices: int) -> list[tuple[int, ...]]:
         """The logical mesh shapes to try, each with `num_devices` devices."""
@@ -180,6 +185,17 @@ class ShardParallel:
       time_limit_s: solver wall-clock limit per mesh shape, seconds.
       num_micro_batches: gradient accumulation steps (the batch is split on dim 0; each
         gradient is reduced once per step, after the last micro-batch).
+      batch_axis: None (the search lays the batch out freely), or the index of the logical
+        mesh axis the batch belongs to (Alpa's ``force_batch_dim_to_mesh_dim``): the batch
+        inputs arrive split on dim 0 over that axis only (replicated where its size does
+        not divide the batch), and no value computed from the batch may split a batch dim
+        over another axis (a layout doing so is priced
+        `autopar.planner.BATCH_AXIS_PENALTY_S` seconds, so the search takes none while
+        another exists, and the planner rejects a plan with one; a value may still gather
+        its batch dim).  The other axis is left to split the model.  A dim of a batch-derived value
+        counts as a batch dim when its size is the batch size (or the micro-batch size),
+        so a model dim of the same size is held to it too.  With `mesh_shape=None` only
+        meshes that have the axis are tried (`batch_axis=1`: the 2-D ones).
     """
 
     mesh_shape: tuple[int, ...] | None = None
@@ -187,6 +203,7 @@ class ShardParallel:
     solver: Backend = DEFAULT_BACKEND
     time_limit_s: float = 60.0
     num_micro_batches: int = 1
+    batch_axis: int | None = None
     name: ClassVar[str] = "shard"
     pipelined: ClassVar[bool] = False
 
@@ -199,6 +216,14 @@ class ShardParallel:
                 raise ValueError(f"ShardParallel(mesh_shape={self.mesh_shape!r}): a logical mesh "
                                  f"is 1 or 2 positive ints, e.g. (8,) or (2, 4)")
             object.__setattr__(self, "mesh_shape", shape)
+        axis = self.batch_axis
+        if axis is not None:
+            ndim = len(self.mesh_shape) if self.mesh_shape is not None else 2
+            if not isinstance(axis, int) or isinstance(axis, bool) or not 0 <= axis < ndim:
+                where = (f"mesh_shape={self.mesh_shape} has axes {list(range(ndim))}"
+                         if self.mesh_shape is not None else "a logical mesh has axes 0 and 1")
+                raise ValueError(f"ShardParallel(batch_axis={axis!r}) must be None or a mesh "
+                                 f"axis index: {where}")
 
     def mesh_shapes(self, num_devices: int) -> list[tuple[int, ...]]:
         if self.mesh_shape is not None:
@@ -206,16 +231,40 @@ class ShardParallel:
                 raise ValueError(f"ShardParallel(mesh_shape={self.mesh_shape}) needs "
                                  f"{math.prod(self.mesh_shape)} devices, {num_devices} are used")
             return [self.mesh_shape]
-        return [(num_devices,)] + [(a, num_devices // a) for a in range(2, num_devices)
-                                   if num_devices % a == 0]
+        shapes = [(num_devices,)] + [(a, num_devices // a) for a in range(2, num_devices)
+                                     if num_devices % a == 0]
+        if self.batch_axis is None:
+            return shapes
+        shapes = [s for s in shapes if len(s) > self.batch_axis]
+        if not shapes:
+            raise ValueError(f"ShardParallel(batch_axis={self.batch_axis}): {num_devices} "
+                             f"devices have no 2-D logical mesh (give mesh_shape, e.g. "
+                             f"(1, {num_devices}), or batch_axis=0)")
+        return shapes
 
     def forced_specs(self, shapes: Sequence[tuple[int, ...]], roles: Sequence[Role],
                      mesh: MeshContext) -> dict[int, Spec]:
-        """Batch inputs arrive split on dim 0 over as many mesh axes as divide it, as a
-        data-parallel input pipeline delivers them; the search may re-lay them out, paying
-        for it.  Everything else is free."""
-        return {pos: batch_input_spec(shape, mesh) for pos, (shape, role)
-                in enumerate(zip(shapes, roles)) if role == "batch"}
+        """Batch inputs arrive split on dim 0 over as many mesh axes as divide it (over
+        `batch_axis` only, if set), as a data-parallel input pipeline delivers them; the
+        search may re-lay them out, paying for it.  Everything else is free."""
+        if self.batch_axis is None:
+            return {pos: batch_input_spec(shape, mesh) for pos, (shape, role)
+                    in enumerate(zip(shapes, roles)) if role == "batch"}
+        axis = mesh.axes[self.batch_axis]
+        out: dict[int, Spec] = {}
+        for pos, (shape, role) in enumerate(zip(shapes, roles)):
+            if role != "batch":
+                continue
+            spec = replicated(len(shape))
+            if shape and axis in mesh.split_axes and shape[0] % mesh.size(axis) == 0:
+                spec = ((axis,),) + spec[1:]
+            out[pos] = spec
+        return out
+
+    def batch_mesh_axis(self, mesh: MeshContext) -> str | None:
+        """The name of the only axis of `mesh` that may split a batch dim (`batch_axis`),
+        or None (any axis may)."""
+        return None if self.batch_axis is None else mesh.axes[self.batch_axis]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,11 +4,16 @@ mesh and keeps the cheapest, producing a `Plan`.
 A micro-batched step (N > 1) holds N copies of the forward+backward; the emitted program
 reduces each gradient once per step (`microbatch.ReducedOnce`), so each copy's gradient
 contractions carry 1/N of their communication (the ILP's `comm_scale`), as the pipeline
-planner prices a stage's."""
+planner prices a stage's.
+
+A method with a batch axis (`ShardParallel(batch_axis=...)`, its `batch_mesh_axis`) adds
+`BATCH_AXIS_PENALTY_S` to every layout that splits a batch dim over another mesh axis
+(`intra_op.start`'s `value_costs`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -117,12 +122,20 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
                   if isinstance(micro, int) and micro > 1 else None)
     pool = SolvePool(None if len(shapes) > 1 else 0)
     submit = WatchedSubmit(pool.submit)
+    batch_axis_of = getattr(method, "batch_mesh_axis", None)
+    batch_led = batch_dims(program, micro) if batch_axis_of is not None else {}
+    penalties: dict[tuple[int, ...], dict[int, Callable[[Spec], float]]] = {}
     try:
         for k, shape in enumerate(shapes):
             mesh = MeshContext.build(shape, cluster)
             forced_pos = method.forced_specs(program.in_shapes, program.roles, mesh)
             forced = {graph.invars[pos]: spec for pos, spec in forced_pos.items()}
-            twin = next((m for m, f, _ in started if is_mirror(mesh, forced, m, f)), None)
+            axis = batch_axis_of(mesh) if batch_axis_of is not None else None
+            penalties[shape] = (batch_axis_only(batch_led, axis)
+                                if axis is not None and batch_led else {})
+            # With a batch axis the costs are not symmetric in the axes: no mirror images.
+            twin = None if axis is not None else next(
+                (m for m, f, _ in started if is_mirror(mesh, forced, m, f)), None)
             if twin is not None:  # same cost as its mirror image, solved already
                 mirrors[shape] = twin.shape
                 continue
@@ -131,7 +144,8 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
             started.append((mesh, forced, intra_op.start(
                 graph, mesh, forced=forced, ties=ties, memory_budget_bytes=budget,
                 batch_size=program.batch_size, solver=method.solver,
-                time_limit_s=method.time_limit_s, comm_scale=comm_scale, submit=submit)))
+                time_limit_s=method.time_limit_s, comm_scale=comm_scale,
+                value_costs=penalties[shape], submit=submit)))
         for mesh, forced, run in started:
             try:
                 results.append(answer(run, f"the mesh ILP on logical mesh {mesh.shape}"))
@@ -147,7 +161,8 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
                     results.append(answer(intra_op.start(
                         graph, mesh, forced=lean, ties=ties, memory_budget_bytes=budget,
                         batch_size=program.batch_size, solver=method.solver,
-                        time_limit_s=method.time_limit_s, comm_scale=comm_scale),
+                        time_limit_s=method.time_limit_s, comm_scale=comm_scale,
+                        value_costs=penalties[mesh.shape]),
                         f"the memory-lean mesh ILP on logical mesh {mesh.shape}"))
                 except intra_op.MemoryBudgetError as lean_err:
                     errors.append(lean_err)
@@ -162,6 +177,13 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
     pool.close()
     if not results:
         raise min(errors, key=lambda e: e.smallest_bytes)
+    if batch_led:
+        kept = [r for r in results if r.cost_s < BATCH_AXIS_PENALTY_S]
+        if not kept:
+            raise ValueError(f"batch_axis: the solver found no layout on the logical meshes "
+                             f"{[r.mesh.shape for r in results]} that keeps every batch dim "
+                             f"off the other mesh axes (raise time_limit_s)")
+        results = kept
     best = min(results, key=lambda r: r.cost_s)
     in_specs = tuple(best.value_specs[v] for v in graph.invars)
     decided = {v: s for v, s in best.value_specs.items() if graph.values[v].producer is not None}
@@ -170,6 +192,8 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
     stats["phases_s"] = {"mesh ILPs": stats["search_s"]}
     if mirrors:
         stats["mirror_meshes"] = {str(a): str(b) for a, b in mirrors.items()}
+    if batch_axis_of is not None and batch_axis_of(best.mesh) is not None:
+        stats["batch_axis"] = batch_axis_of(best.mesh)
     return Plan(
         fingerprint=fp,
         method=method.name,
@@ -189,6 +213,51 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
         operand_specs=best.operand_specs,
         num_micro_batches=micro if isinstance(micro, int) else 1,
     )
+
+
+#: Seconds added to a layout that splits a batch dim over a mesh axis other than the
+#: method's batch axis (`batch_axis_only`): more than any step takes, so the search takes
+#: such a layout only where no other exists (the value of the pipeline planner's
+#: `LEAN_PENALTY_S`, which holds a (dp, tp) stage's batch to dp the same way).
+BATCH_AXIS_PENALTY_S = 1e4
+
+
+def batch_dims(program: Program, num_micro_batches: int | str = 1
+               ) -> dict[int, tuple[int, ...]]:
+    """Value id → the dims that carry the batch, for every value computed from a batch
+    input: its dims of the batch size or, with N micro-batches, of the micro-batch size (a
+    model dim of the same size is taken for one too, which only narrows its layouts; the
+    pipeline planner's `_batch_dims` with the micro-batch size added)."""
+    size = program.batch_size
+    if not size:
+        return {}
+    sizes = {size}
+    if isinstance(num_micro_batches, int) and num_micro_batches > 1 \
+            and size % num_micro_batches == 0:
+        sizes.add(size // num_micro_batches)
+    graph = program.graph
+    carried = graph.computed_from(
+        v for v, role in zip(graph.invars, program.roles)
+        if role == "batch" and graph.values[v].shape[:1] == (size,))
+    out = {}
+    for vid in carried:
+        dims = tuple(d for d, n in enumerate(graph.values[vid].shape) if n in sizes)
+        if dims:
+            out[vid] = dims
+    return out
+
+
+def batch_axis_only(batch_led: dict[int, tuple[int, ...]], axis: str
+                    ) -> dict[int, Callable[[Spec], float]]:
+    """`intra_op.start`'s `value_costs`: `BATCH_AXIS_PENALTY_S` seconds on every layout of
+    a value in `batch_led` (value id → its batch dims, `batch_dims`) that splits a batch
+    dim over a mesh axis other than `axis` (Alpa's force_batch_dim_to_mesh_dim; the
+    pipeline planner's `_with_batch_axis_only` for its first axis)."""
+    def cost(spec: Spec, dims: tuple[int, ...]) -> float:
+        off = any(a != axis for d in dims if d < len(spec) for a in spec[d])
+        return BATCH_AXIS_PENALTY_S if off else 0.0
+
+    return {vid: functools.partial(cost, dims=dims) for vid, dims in batch_led.items()}
 
 
 def lean_forced(forced: dict[int, Spec], program: Program, mesh: MeshContext
