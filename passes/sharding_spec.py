@@ -252,16 +252,22 @@ def reshard_steps(src: Spec, dst: Spec, nbytes: float, mesh: MeshContext
         steps.append(ReshardStep("collective-permute", nbytes / finer,
                                  tuple(sorted(involved))))
     several = len(involved) > 1
+    split = mesh.shards(src)   # pieces of the value before the next collective
     for axis in mesh.split_axes:
         s_dim = _dim_of(src, axis)
         d_dim = _dim_of(dst, axis)
         if s_dim == d_dim or s_dim is None:
             continue
-        # Bytes of the group the collective runs in: the value split by the other axes.
-        others = mesh.shards(src) // mesh.size(axis)
+        # Bytes of the group the collective runs in: the value as split by the axes not yet
+        # gathered.  Gathering axes one after another costs what one gather over all of
+        # them does (a 2x2 split gathered: S/4 over the first axis, then S/2 over the
+        # second = 3S/4, the 4-way all-gather's bytes).
+        others = split // mesh.size(axis)
         group_bytes = nbytes / max(others, 1)
         kind = "all-gather" if d_dim is None or several else "all-to-all"
         steps.append(ReshardStep(kind, group_bytes, (axis,)))
+        if kind == "all-gather":
+            split = max(others, 1)
     return tuple(steps)
 
 
