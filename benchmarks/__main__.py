@@ -65,7 +65,8 @@ def parts() -> list[Part]:
     """Every part of `all`, cheapest first."""
     out = [Part("toy", (("benchmarks", "toy"),), ("toy-cpu-local.md", "toy-cpu-local.json"))]
     for module in ("runtime_overhead", "pipeline_search", "checkpoint_io",
-                   "cost_model_accuracy", "gpu_accuracy", "search_time"):
+                   "cost_model_accuracy", "gpu_accuracy", "search_time",
+                   "intra_op_reference"):
         files = (f"{module}.md", f"{module}.json")
         if module == "cost_model_accuracy":
             files += (f"{module}.png",)
