@@ -177,8 +177,14 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
     pool.close()
     if not results:
         raise min(errors, key=lambda e: e.smallest_bytes)
-    if batch_led:
-        kept = [r for r in results if r.cost_s < BATCH_AXIS_PENALTY_S]
+    if any(penalties.values()):
+        # A layout the penalty could not keep off (read off the layouts, not the cost: a
+        # step can take longer than the penalty, e.g. on a communication-only cluster).
+        def breaks(r: intra_op.IntraOpResult) -> bool:
+            return any(cost(r.value_specs[v]) > 0
+                       for v, cost in penalties[r.mesh.shape].items() if v in r.value_specs)
+
+        kept = [r for r in results if not breaks(r)]
         if not kept:
             raise ValueError(f"batch_axis: the solver found no layout on the logical meshes "
                              f"{[r.mesh.shape for r in results]} that keeps every batch dim "
