@@ -53,7 +53,7 @@ from .grad_accum import Deferral, defers, passes_sums, unreduced_spec
 from .layer import LayerProgram, differentiable_values
 from .methods import PipelineMethod
 from .plan import LayerPlan, Plan, PredictedCost, StagePlan
-from .planner import WatchedSubmit, answer
+from .planner import WatchedSubmit, answer, batch_axis_only, batch_carried_dims
 from .solve_pool import SolvePool
 
 # Layer costs only rank stage layouts: a short solver limit per layer solve (the solver then
@@ -246,8 +246,9 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
     param_inputs = [(fb.invars[k], graph.values[vid]) for k, vid in enumerate(f_ids)
                     if vid in params] if update is not None or lean or memory_price else []
     # A fixed (dp, tp) layout splits the batch over dp only: the other axes split the model.
-    batch_led = (_batch_dims(fb, [v for k, v in enumerate(fb.invars)
-                                  if k >= len(f_ids) or f_ids[k] not in params], batch_size)
+    batch_led = (batch_carried_dims(fb, [v for k, v in enumerate(fb.invars)
+                                         if k >= len(f_ids) or f_ids[k] not in params],
+                                    batch_size, {batch_size})
                  if forced_batch_axis and batch_size else {})
     pending = []
     charges: dict[tuple[int, ...], dict[int, Callable[[Spec], float]]] = {}
@@ -257,7 +258,9 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
                                    num_micro_batches, memory_price)
                    for fv, value in param_inputs}
         if batch_led:
-            updates = _with_batch_axis_only(updates, batch_led, mesh)
+            # The data-parallel axis is the only one the batch is split over, so a (dp,
+            # tp) stage is tensor-parallel over tp, not data-parallel over dp x tp.
+            updates = _summed(updates, batch_axis_only(batch_led, mesh.axes[0]))
         if neighbours:
             charges[shape] = _neighbour_costs(layer, position, graph, neighbours, mesh)
             updates = _summed(updates, charges[shape])
@@ -294,43 +297,6 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
         answer(run, f"the layer ILP ({len(program.eqns)} equations) on sub-mesh {submesh}, "
                     f"logical mesh {shape}")))
         for shape, mesh, run in pending}
-
-
-def _batch_dims(fb: Graph, batch_inputs: Sequence[int], batch_size: int
-                ) -> dict[int, tuple[int, ...]]:
-    """Values of `fb` computed from the inputs `batch_inputs` whose leading dim is the
-    batch (`batch_size`), each with its dims of that size: the dims that carry the batch
-    (a model dim of the same size is taken for one too, which only narrows its layouts)."""
-    carried = fb.computed_from(v for v in batch_inputs
-                               if fb.values[v].shape[:1] == (batch_size,))
-    out = {}
-    for vid in carried:
-        dims = tuple(d for d, n in enumerate(fb.values[vid].shape) if n == batch_size)
-        if dims:
-            out[vid] = dims
-    return out
-
-
-def _with_batch_axis_only(costs: dict[int, Callable[[Spec], float]],
-                          batch_led: dict[int, tuple[int, ...]], mesh: MeshContext
-                          ) -> dict[int, Callable[[Spec], float]]:
-    """`costs` plus `LEAN_PENALTY_S` on any layout that splits a batch dim of a value in
-    `batch_led` (value id → its batch dims, `_batch_dims`) over a mesh axis other than the
-    first: the data-parallel axis is the only one the batch is split over (Alpa's
-    force_batch_dim_to_mesh_dim), so a (dp, tp) stage is tensor-parallel over tp rather
-    than data-parallel over dp x tp."""
-    dp_axis = mesh.axes[0]
-    out = dict(costs)
-    for vid, dims in batch_led.items():
-        base = costs.get(vid)
-
-        def cost(spec: Spec, dims=dims, base=base) -> float:
-            seconds = 0.0 if base is None else base(spec)
-            if any(a != dp_axis for d in dims for a in spec[d]):
-                seconds += LEAN_PENALTY_S
-            return seconds
-        out[vid] = cost
-    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 
 import jax
@@ -224,16 +224,15 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
 #: Seconds added to a layout that splits a batch dim over a mesh axis other than the
 #: method's batch axis (`batch_axis_only`): more than any step takes, so the search takes
 #: such a layout only where no other exists (the value of the pipeline planner's
-#: `LEAN_PENALTY_S`, which holds a (dp, tp) stage's batch to dp the same way).
+#: `LEAN_PENALTY_S`; the pipeline planner holds a (dp, tp) stage's batch to dp with it).
 BATCH_AXIS_PENALTY_S = 1e4
 
 
 def batch_dims(program: Program, num_micro_batches: int | str = 1
                ) -> dict[int, tuple[int, ...]]:
     """Value id → the dims that carry the batch, for every value computed from a batch
-    input: its dims of the batch size or, with N micro-batches, of the micro-batch size (a
-    model dim of the same size is taken for one too, which only narrows its layouts; the
-    pipeline planner's `_batch_dims` with the micro-batch size added)."""
+    input of `program`: its dims of the batch size or, with N micro-batches, of the
+    micro-batch size (`batch_carried_dims`)."""
     size = program.batch_size
     if not size:
         return {}
@@ -242,9 +241,17 @@ def batch_dims(program: Program, num_micro_batches: int | str = 1
             and size % num_micro_batches == 0:
         sizes.add(size // num_micro_batches)
     graph = program.graph
-    carried = graph.computed_from(
-        v for v, role in zip(graph.invars, program.roles)
-        if role == "batch" and graph.values[v].shape[:1] == (size,))
+    return batch_carried_dims(graph, [v for v, role in zip(graph.invars, program.roles)
+                                      if role == "batch"], size, sizes)
+
+
+def batch_carried_dims(graph: Graph, batch_inputs: Sequence[int], batch_size: int,
+                       sizes: Collection[int]) -> dict[int, tuple[int, ...]]:
+    """Value id → its dims whose size is in `sizes`, for every value of `graph` computed
+    from the inputs `batch_inputs` whose leading dim is `batch_size` (a model dim of such a
+    size is taken for a batch dim too, which only narrows its layouts)."""
+    carried = graph.computed_from(v for v in batch_inputs
+                                  if graph.values[v].shape[:1] == (batch_size,))
     out = {}
     for vid in carried:
         dims = tuple(d for d, n in enumerate(graph.values[vid].shape) if n in sizes)
@@ -257,8 +264,8 @@ def batch_axis_only(batch_led: dict[int, tuple[int, ...]], axis: str
                     ) -> dict[int, Callable[[Spec], float]]:
     """`intra_op.start`'s `value_costs`: `BATCH_AXIS_PENALTY_S` seconds on every layout of
     a value in `batch_led` (value id → its batch dims, `batch_dims`) that splits a batch
-    dim over a mesh axis other than `axis` (Alpa's force_batch_dim_to_mesh_dim; the
-    pipeline planner's `_with_batch_axis_only` for its first axis)."""
+    dim over a mesh axis other than `axis` (Alpa's force_batch_dim_to_mesh_dim; the pipeline
+    planner holds a fixed (dp, tp) stage's batch to its first axis with it)."""
     def cost(spec: Spec, dims: tuple[int, ...]) -> float:
         off = any(a != axis for d in dims if d < len(spec) for a in spec[d])
         return BATCH_AXIS_PENALTY_S if off else 0.0
