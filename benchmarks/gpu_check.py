@@ -18,8 +18,20 @@ checks against ``cpu-local``, which is how its code is tested):
    plan's `predicted.memory_bytes`; the plan's predicted step time under the preset and
    under the profiled cluster (`autopar.plan`, offline) against the measured time; achieved
    FLOP/s (the zoo's analytic FLOPs per step over the measured time).
+3. **Micro-batch series** (``--series NAME:BATCH``, ``--micro-batches 1,2,4,8``): the zoo
+   model as a one-stage pipeline (``Manual3DParallel(1, 1, 1, k)``) at a fixed batch split
+   into k micro-batches, so each series point runs the same layer stack on smaller calls.
+   Per k: the measured step against the plan's prediction under the preset and under the
+   profiled cluster, the first loss against the single-program `jax.jit` step, and each
+   step's growth over k = 1 (measured and predicted): whether the model sees the smaller
+   kernels' lower efficiency.
 
-Writes ``<out>/gpu-<device kind>.{md,json}`` (default benchmarks/results), the JSON after
+The profile's matmul efficiency sweep (`autopar.cost_model.matmul_sweep`: transformer-shaped
+matmuls timed in chains inside one program) is reported per shape with its fraction of the
+preset's dense peak: the rows the kernel efficiency table (cost_model/kernel_efficiency.json)
+takes for this device kind.
+
+Writes ``<out>/gpu-<device kind>[-<tag>].{md,json}`` (default benchmarks/results), the JSON after
 every model, so a run cut short keeps what it measured.  A model that fails is reported
 with its error and the run goes on.
 """
@@ -33,13 +45,15 @@ import re
 import statistics
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 import autopar
-from autopar.cost_model import ClusterSpec, hlo_audit
+from autopar.cost_model import ClusterSpec, hlo_audit, matmul_sweep
+from autopar.cost_model.devices import DEVICE_KINDS
 from autopar.cost_model.jsonio import write_json_atomic
 from autopar.cost_model.profiler import _median_time, profile
 from autopar.models import registry
@@ -65,6 +79,20 @@ def parse_models(text: str) -> list[tuple[str, int]]:
     return out
 
 
+def parse_counts(text: str, batches: list[int]) -> list[int]:
+    """"1,2,4" -> [1, 2, 4]; ValueError unless each is a positive integer dividing every
+    batch in `batches`."""
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items or not all(s.isdigit() and int(s) >= 1 for s in items):
+        raise ValueError(f"--micro-batches {text!r}: want positive integers, e.g. 1,2,4,8")
+    counts = [int(s) for s in items]
+    for b in batches:
+        bad = [k for k in counts if b % k]
+        if bad:
+            raise ValueError(f"--micro-batches {bad} do not divide the series batch {b}")
+    return counts
+
+
 # --- 1. profile ---------------------------------------------------------------------------------
 
 
@@ -80,6 +108,7 @@ def profile_rows(device, preset: ClusterSpec, quick: bool) -> dict[str, Any]:
     sizes = (256,) if quick else MATMUL_SIZES
     stream = (2**22,) if quick else ELEMENTWISE_BYTES
     result = profile([device], dtypes=DTYPES, matmul_sizes=sizes, elementwise_bytes=stream,
+                     matmul_shapes=matmul_sweep.QUICK_SHAPES if quick else None,
                      repeats=5 if quick else 20)
     rows = []
     for dtype in DTYPES:
@@ -87,7 +116,9 @@ def profile_rows(device, preset: ClusterSpec, quick: bool) -> dict[str, Any]:
             if c["dtype"] == dtype:
                 rows.append({"op": c["op"], "dtype": dtype, "shape": c["shape"],
                              "seconds": c["seconds"], "flops_per_s": c["flops_per_s"],
-                             "bytes_per_s": c["bytes_per_s"]})
+                             "bytes_per_s": c["bytes_per_s"],
+                             "fraction_of_datasheet": (c["flops_per_s"]
+                                                       / _datasheet_peak(preset, dtype))})
     m = sizes[-1]
     highest = _highest_f32_matmul(device, m, 5 if quick else 20)
     rows.append({"op": "matmul HIGHEST", "dtype": "float32", "shape": [m, m, m],
@@ -101,6 +132,17 @@ def profile_rows(device, preset: ClusterSpec, quick: bool) -> dict[str, Any]:
                     "preset": preset.memory_bandwidth_bytes_per_s,
                     "measured": measured.memory_bandwidth_bytes_per_s})
     return {"rows": rows, "summary": summary, "cluster": measured}
+
+
+def _datasheet_peak(preset: ClusterSpec, dtype: str) -> float:
+    """The dense datasheet FLOP/s at XLA's default precision of the preset's device kind
+    (what kernel_efficiency.json's fractions are of); the preset's figure for kinds without
+    a datasheet row (CPU)."""
+    kind = DEVICE_KINDS.get(preset.device_kind)
+    if kind is None:
+        return preset.peak_flops_per_s(dtype)
+    flops = kind.default_precision_flops()
+    return flops.get(dtype, flops["float32"])
 
 
 # --- 2. models ----------------------------------------------------------------------------------
@@ -138,14 +180,8 @@ def model_row(name: str, batch: int, device, preset: ClusterSpec, measured: Clus
                             / max(abs(losses["jit"]), 1e-30))
     for label, run in programs.items():   # second warm-up step
         states[label], _ = run(states[label], data)
-    times: dict[str, list[float]] = {label: [] for label in programs}
-    for _ in range(steps):
-        for label, run in programs.items():
-            start = time.perf_counter()
-            states[label], out = run(states[label], data)
-            jax.block_until_ready((states[label], out))
-            times[label].append(time.perf_counter() - start)
-    jit_s, par_s = statistics.median(times["jit"]), statistics.median(times["autopar"])
+    medians = _timed_medians(programs, states, data, steps)
+    jit_s, par_s = medians["jit"], medians["autopar"]
     offline = autopar.plan(step, abstract_state, abstract_batch, cluster=measured)
     stats = device.memory_stats() or {}
     row.update({
@@ -163,6 +199,67 @@ def model_row(name: str, batch: int, device, preset: ClusterSpec, measured: Clus
         "search_s": plan.solver.get("search_s"),
     })
     return row
+
+
+def _timed_medians(programs: dict[str, Any], states: dict[str, Any], data: Any,
+                   steps: int) -> dict[str, float]:
+    """Median seconds per step of each program, steps taken in turns (one after the other
+    per round, so load from other processes lands on all alike); `states` is updated."""
+    times: dict[str, list[float]] = {label: [] for label in programs}
+    for _ in range(steps):
+        for label, run in programs.items():
+            start = time.perf_counter()
+            states[label], out = run(states[label], data)
+            jax.block_until_ready((states[label], out))
+            times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
+# --- 3. micro-batch series ----------------------------------------------------------------------
+
+
+def series_rows(name: str, batch: int, counts: list[int], device, preset: ClusterSpec,
+                measured: ClusterSpec, steps: int) -> Iterator[dict[str, Any]]:
+    """One-stage pipelines of zoo model `name` at `batch`: yields one row per micro-batch
+    count as it is measured."""
+    step, (abstract_state, abstract_batch) = registry.train_step_and_args(name, batch)
+    ref_step = registry.train_step_and_args(name, batch, value_and_grad=jax.value_and_grad)[0]
+    with jax.default_device(device):
+        state = registry.init_state(name)
+        data = registry.example_batch(name, batch)
+    jit_step = jax.jit(ref_step, donate_argnums=0)
+    ref_state, ref_out = jit_step(_copy(state), data)
+    ref_loss = float(ref_out["loss"])
+    del ref_state
+    for k in counts:
+        t0 = time.perf_counter()
+        row: dict[str, Any] = {"model": name, "batch": batch, "micro_batches": k}
+        try:
+            method = autopar.Manual3DParallel(dp=1, tp=1, pp=1, num_micro_batches=k)
+            plan = autopar.plan(step, abstract_state, abstract_batch, cluster=preset,
+                                method=method)
+            profiled = autopar.plan(step, abstract_state, abstract_batch, cluster=measured,
+                                    method=method)
+            par = autopar.parallelize(step, plan=plan, devices=[device])
+            programs = {"autopar": par}
+            states = {"autopar": _copy(state)}
+            states["autopar"], out = par(states["autopar"], data)
+            loss = float(out["loss"])
+            states["autopar"], _ = par(states["autopar"], data)   # second warm-up
+            measured_s = _timed_medians(programs, states, data, steps)["autopar"]
+            del states
+            row.update({"step_s": measured_s, "predicted_step_s_preset": plan.predicted.step_s,
+                        "predicted_step_s_profiled": profiled.predicted.step_s,
+                        "loss": loss, "loss_jit": ref_loss,
+                        "loss_rel_diff": abs(loss - ref_loss) / max(abs(ref_loss), 1e-30),
+                        "stages": len(plan.stages)})
+        except Exception as e:  # noqa: BLE001 - reported, and the next count runs
+            traceback.print_exc()
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        row["wall_s"] = time.perf_counter() - t0
+        print(f"{name} batch {batch} x{k}: {row.get('error') or 'done'} "
+              f"in {row['wall_s']:.1f} s", flush=True)
+        yield row
 
 
 def _memory_terms(mem: hlo_audit.MemoryUsage) -> dict[str, int]:
@@ -194,12 +291,17 @@ def markdown(report: dict[str, Any]) -> str:
             name = s["figure"].replace("FLOP/s", "TFLOP/s").replace("B/s", "GB/s")
             lines.append(f"| {name} | {_fmt(s['preset'], unit)} | {_fmt(s['measured'], unit)} "
                          f"| {s['measured'] / s['preset']:.2f} |")
-        lines += ["", "| op | dtype | shape | ms | TFLOP/s | GB/s |",
-                  "|---|---|---|---:|---:|---:|"]
+        lines += ["", "Matmul rows: one jitted call each (dispatch and sync included); "
+                  "matmul-chain rows: one matmul of a chain inside one program (difference of "
+                  "two chain lengths, no dispatch), the rows of the efficiency table.", "",
+                  "| op | dtype | shape | ms | TFLOP/s | GB/s | of datasheet peak |",
+                  "|---|---|---|---:|---:|---:|---:|"]
         for r in prof["rows"]:
+            frac = r.get("fraction_of_datasheet")
             lines.append(f"| {r['op']} | {r['dtype']} | {'x'.join(map(str, r['shape']))} | "
                          f"{r['seconds'] * 1e3:.3f} | {_fmt(r['flops_per_s'], 1e12, 2)} | "
-                         f"{_fmt(r['bytes_per_s'], 1e9)} |")
+                         f"{_fmt(r['bytes_per_s'], 1e9)} | "
+                         f"{'—' if frac is None or 'matmul' not in r['op'] else f'{frac:.3f}'} |")
         lines.append("")
     models = report.get("models", [])
     if models:
@@ -236,14 +338,43 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{_fmt(comp, gib, 2)} | {r['predicted_memory_bytes'] / comp:.2f} | "
                 f"{_fmt(r['compiled_memory_jit']['total'], gib, 2)} |")
         lines.append("")
+    lines += _series_markdown(report.get("series", []))
     if report.get("notes"):
         lines += ["## Reading the numbers", ""] + [f"- {n}" for n in report["notes"]] + [""]
     return "\n".join(lines)
 
 
+def _series_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["## Micro-batch series: one-stage pipeline, same batch in k micro-batches", "",
+             "Growth: step time over the same series' k = 1 step (measured, and each "
+             "prediction over its own k = 1).", "",
+             "| model | batch | k | measured ms | predicted ms (preset) | predicted / measured "
+             "| predicted ms (profiled) | predicted / measured | growth measured | "
+             "growth preset | growth profiled | loss rel. diff vs jit |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    first: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['batch']} | {r['micro_batches']} | "
+                         f"error: {r['error']} |")
+            continue
+        base = first.setdefault((r["model"], r["batch"]), r)
+        m, pre, pro = r["step_s"], r["predicted_step_s_preset"], r["predicted_step_s_profiled"]
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['micro_batches']} | {m * 1e3:.2f} | "
+            f"{pre * 1e3:.2f} | {pre / m:.2f} | {pro * 1e3:.2f} | {pro / m:.2f} | "
+            f"{m / base['step_s']:.3f} | {pre / base['predicted_step_s_preset']:.3f} | "
+            f"{pro / base['predicted_step_s_profiled']:.3f} | {r['loss_rel_diff']:.1e} |")
+    return lines + [""]
+
+
 def write(report: dict[str, Any], out: pathlib.Path) -> pathlib.Path:
     out.mkdir(parents=True, exist_ok=True)
     stem = "gpu-" + re.sub(r"[^A-Za-z0-9.-]+", "-", report["environment"]["device_kind"]).strip("-")
+    if report["environment"].get("tag"):
+        stem += "-" + re.sub(r"[^A-Za-z0-9.-]+", "-", report["environment"]["tag"])
     write_json_atomic(out / f"{stem}.json", report)
     (out / f"{stem}.md").write_text(markdown(report))
     return out / f"{stem}.md"
@@ -257,20 +388,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS, help="results folder")
     ap.add_argument("--quick", action="store_true", help="small profile sizes (for tests)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profile section")
+    ap.add_argument("--tag", default="",
+                    help="suffix of the results files' name (default: the device kind only)")
+    ap.add_argument("--series", default="",
+                    help="NAME:BATCH,... zoo models for the micro-batch series (default none)")
+    ap.add_argument("--micro-batches", default="1,2,4,8",
+                    help="micro-batch counts of the series (each must divide the batch)")
     args = ap.parse_args(argv)
     models = parse_models(args.models)
+    series = parse_models(args.series)
+    counts = parse_counts(args.micro_batches, [b for _, b in series])
     device = jax.devices()[0]
     preset = ClusterSpec.from_devices([device])
     report: dict[str, Any] = {"environment": {
         "device_kind": device.device_kind, "platform": device.platform, "jax": jax.__version__,
         "python": platform.python_version(), "preset": preset.name,
-        "date": time.strftime("%Y-%m-%d", time.gmtime())}, "meta": stamp(), "models": []}
+        "date": time.strftime("%Y-%m-%d", time.gmtime()), "tag": args.tag},
+        "meta": stamp(), "models": []}
     measured = preset
     if not args.no_profile:
         t0 = time.perf_counter()
         prof = profile_rows(device, preset, args.quick)
         measured = prof.pop("cluster")
-        report["profile"] = {**prof, "wall_s": time.perf_counter() - t0}
+        # The profiled cluster as `ClusterSpec.load` reads it: plans can be re-priced on it.
+        report["profile"] = {**prof, "cluster": measured.to_json(),
+                             "wall_s": time.perf_counter() - t0}
         print(f"profile done in {time.perf_counter() - t0:.1f} s", flush=True)
     path = write(report, args.out)
     for name, batch in models:
@@ -286,8 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name} batch {batch}: {row.get('error') or 'done'} in {row['wall_s']:.1f} s",
               flush=True)
         path = write(report, args.out)
+    for name, batch in series:
+        for row in series_rows(name, batch, counts, device, preset, measured, args.steps):
+            report.setdefault("series", []).append(row)
+            path = write(report, args.out)
     print(path.read_text())
-    return int(any("error" in r for r in report["models"]))
+    return int(any("error" in r for r in report["models"] + report.get("series", [])))
 
 
 if __name__ == "__main__":

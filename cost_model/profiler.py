@@ -14,6 +14,11 @@ ended by ``block_until_ready``; dispatch overhead is part of the figure and ends
   ``x * 2 + 1`` on every device at once (through ``shard_map``; emulated CPU devices share the
   host's cores, so these are per-device figures under SPMD load). Peak FLOP/s per dtype is the
   best matmul rate; memory bandwidth is the best elementwise rate (bytes read + written / s).
+* Matmul efficiency by size — on a GPU by default (``matmul_shapes``): transformer-shaped
+  matmuls timed as chains inside one program (`matmul_sweep`: no per-call dispatch in the
+  figure); the profiled cluster's ``matmul_efficiency`` curve per dtype is each size's rate
+  over the best rate measured, so the planner prices a small micro-batch's matmuls slower
+  than a large one's, as the device runs them.
 
 Fits: for every (collective, mesh shape, axis), least squares of ``time = α + factor(n)·S·β``
 with rows weighted by 1/time, i.e. minimizing *relative* error, so the latency-bound small
@@ -54,6 +59,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from . import matmul_sweep
 from .cluster import Backend, ClusterSpec, Link
 from .collectives import lowered_kind
 from .jsonio import write_json_atomic
@@ -167,6 +173,7 @@ def profile(
     dtypes: Sequence[str] = DEFAULT_DTYPES,
     matmul_sizes: Sequence[int] | None = None,
     elementwise_bytes: Sequence[int] | None = None,
+    matmul_shapes: Sequence[Sequence[int]] | None = None,
     progress: Progress | None = None,
 ) -> ProfileResult:
     """Measures ``devices`` (default ``jax.devices()``) and fits a :class:`ClusterSpec`.
@@ -183,6 +190,8 @@ def profile(
       dtypes: dtypes for the matmul / elementwise measurements.
       matmul_sizes: m of the per-device (m, m) @ (m, m) matmuls.
       elementwise_bytes: per-device buffer sizes of the elementwise measurement.
+      matmul_shapes: ``(m, k, n)`` shapes of the efficiency sweep (`matmul_sweep`); default
+        ``matmul_sweep.GPU_SHAPES`` on a GPU, none elsewhere; ``()`` skips it.
       progress: ``progress(done, total, label)`` callback.
 
     Raises:
@@ -198,6 +207,12 @@ def profile(
     matmul_sizes = tuple(matmul_sizes or (QUICK_MATMUL_SIZES if quick else DEFAULT_MATMUL_SIZES))
     elementwise_bytes = tuple(
         elementwise_bytes or (QUICK_ELEMENTWISE_BYTES if quick else DEFAULT_ELEMENTWISE_BYTES))
+    if matmul_shapes is None:
+        matmul_shapes = matmul_sweep.GPU_SHAPES if devices[0].platform == "gpu" else ()
+    matmul_shapes = [tuple(int(v) for v in shape) for shape in matmul_shapes]
+    if any(len(shape) != 3 or min(shape) < 1 for shape in matmul_shapes):
+        raise ValueError(f"matmul_shapes must be (m, k, n) triples of positive integers, "
+                         f"got {matmul_shapes}")
     unknown = sorted(set(collectives) - set(COLLECTIVES))
     if unknown:
         raise ValueError(f"unknown collective(s) {unknown}; valid: {list(COLLECTIVES)}")
@@ -210,7 +225,8 @@ def profile(
     base = _base_cluster(devices)
     groups = [(kind, shape, axis) for shape in mesh_shapes for axis, n in enumerate(shape)
               if n > 1 for kind in collectives]
-    total = len(groups) * len(sizes) + len(dtypes) * (len(matmul_sizes) + len(elementwise_bytes))
+    total = len(groups) * len(sizes) + len(dtypes) * (
+        len(matmul_sizes) + len(elementwise_bytes) + len(matmul_shapes))
     done = 0
 
     def tick(label: str) -> None:
@@ -238,6 +254,11 @@ def profile(
         for nbytes in elementwise_bytes:
             tick(f"elementwise {dtype} {nbytes} B")
             compute_samples.append(_time_elementwise(flat, dtype, nbytes, repeats))
+            done += 1
+        for shape in matmul_shapes:
+            tick(f"matmul chain {dtype} {'x'.join(map(str, shape))}")
+            compute_samples.append(
+                matmul_sweep.time_shape(flat, dtype, shape, repeats, _interleaved_medians))
             done += 1
     tick("done")
 
@@ -315,9 +336,14 @@ def _fit_cluster(base: ClusterSpec, samples, compute_samples):
     }
     peak = dict(base.peak_flops)
     bandwidth = base.memory_bandwidth_bytes_per_s
-    matmuls = [c for c in compute_samples if c["op"] == "matmul"]
+    matmuls = [c for c in compute_samples if c["op"] in ("matmul", "matmul-chain")]
     for dtype in {c["dtype"] for c in matmuls}:
         peak[dtype] = max(c["flops_per_s"] for c in matmuls if c["dtype"] == dtype)
+    # Measured curves replace the preset's; dtypes the sweep did not cover keep theirs only
+    # if their peak was not re-measured (a preset fraction is of the datasheet peak).
+    curves = {d: c for d, c in base.matmul_efficiency.items()
+              if d not in {m["dtype"] for m in matmuls}}
+    curves.update(matmul_sweep.curves(compute_samples, peak))
     streams = [c["bytes_per_s"] for c in compute_samples if c["op"] == "elementwise"]
     if streams:
         bandwidth = max(streams)
@@ -326,6 +352,7 @@ def _fit_cluster(base: ClusterSpec, samples, compute_samples):
         name=f"profiled-{base.name}",
         peak_flops=peak,
         memory_bandwidth_bytes_per_s=bandwidth,
+        matmul_efficiency=curves,
         **new_links,
     )
     return fitted, cluster

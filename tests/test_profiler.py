@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from autopar.cost_model import ClusterSpec, Link, collectives, profiler
+from autopar.cost_model import ClusterSpec, Link, collectives, compute, matmul_sweep, profiler
 from autopar.cost_model.profiler import ProfileResult, factor, fit_alpha_beta
 
 AXES = [((8,), 0), ((2, 4), 0), ((2, 4), 1)]
@@ -135,3 +135,73 @@ def test_bad_arguments_name_valid_values():
         profiler.profile(collectives=["broadcast"], quick=True)
     with pytest.raises(ValueError, match="mesh shape"):
         profiler.profile(mesh_shapes=[(3,)], quick=True)
+
+
+# --- matmul efficiency sweep --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    return profiler.profile(collectives=(), mesh_shapes=[], dtypes=("float32",),
+                            matmul_shapes=matmul_sweep.QUICK_SHAPES, quick=True)
+
+
+def test_sweep_samples_are_per_matmul_and_become_the_clusters_curve(sweep, tmp_path):
+    chains = [c for c in sweep.compute_samples if c["op"] == "matmul-chain"]
+    assert [tuple(c["shape"]) for c in chains] == list(matmul_sweep.QUICK_SHAPES)
+    for c in chains:
+        m, k, n = c["shape"]
+        assert c["flops"] == 2.0 * m * k * n
+        short, long = c["call_seconds"]
+        assert c["seconds"] == pytest.approx(
+            max((long - short) / (2 * (matmul_sweep.TRIPS[1] - matmul_sweep.TRIPS[0])), 1e-9))
+    best = max(c["flops_per_s"] for c in sweep.compute_samples
+               if c["op"] in ("matmul", "matmul-chain"))
+    assert sweep.cluster.peak_flops_per_s("float32") == best
+    curve = sweep.cluster.matmul_efficiency["float32"]
+    assert [f for f, _ in curve] == sorted(c["flops"] for c in chains)
+    for c in chains:
+        frac = dict(curve)[c["flops"]]
+        assert frac == pytest.approx(min(1.0, c["flops_per_s"] / best))
+        # The planner prices a call of this size at the measured rate.
+        assert compute.compute_time_s(c["flops"], 0, "float32", sweep.cluster) == \
+            pytest.approx(c["seconds"], rel=1e-6)
+    sweep.save(tmp_path / "c.json")
+    assert ClusterSpec.load(tmp_path / "c.json").matmul_efficiency == \
+        sweep.cluster.matmul_efficiency
+
+
+def test_sweep_chain_computes_the_chain_it_times():
+    mesh = profiler._mesh(jax.devices()[:2], (2,))
+    x, w1, w2 = matmul_sweep._operands(mesh, "float32", (8, 4, 16))
+    got = np.asarray(matmul_sweep._chain(mesh, "float32", 3)((x, w1, w2)))
+    xs, a, b = (np.asarray(v, np.float64) for v in (x, w1, w2))
+    for d in range(2):   # each device chains its own rows with its own weights
+        y = xs[d * 8:(d + 1) * 8]
+        for _ in range(3):
+            y = y @ a[d * 4:(d + 1) * 4] @ b[d * 16:(d + 1) * 16]
+        np.testing.assert_allclose(got[d * 8:(d + 1) * 8], y, rtol=1e-4, atol=1e-5)
+
+
+def test_curves_average_equal_flops_cap_at_one_and_skip_unmeasured_peaks():
+    rows = [{"op": "matmul-chain", "dtype": "bfloat16", "flops": 10.0, "flops_per_s": 4.0},
+            {"op": "matmul-chain", "dtype": "bfloat16", "flops": 10.0, "flops_per_s": 6.0},
+            {"op": "matmul-chain", "dtype": "bfloat16", "flops": 20.0, "flops_per_s": 30.0},
+            {"op": "matmul", "dtype": "bfloat16", "flops": 5.0, "flops_per_s": 1.0},
+            {"op": "matmul-chain", "dtype": "float16", "flops": 10.0, "flops_per_s": 1.0}]
+    assert matmul_sweep.curves(rows, {"bfloat16": 10.0}) == {
+        "bfloat16": ((10.0, 0.5), (20.0, 1.0))}
+
+
+def test_profiled_gpu_cluster_drops_the_presets_curve_of_a_remeasured_dtype():
+    # A preset's curve is a fraction of the datasheet peak; once the peak is the measured
+    # best rate, that curve would count the shortfall twice.
+    base = ClusterSpec.preset("1xH100-80GB")
+    assert {"float16", "bfloat16"} <= set(base.matmul_efficiency)
+    samples = [{"op": "matmul", "dtype": "float16", "flops": 1e12, "flops_per_s": 5e14,
+                "bytes_per_s": 1.0}]
+    _, cluster = profiler._fit_cluster(base, [], samples)
+    assert cluster.peak_flops_per_s("float16") == 5e14
+    assert "float16" not in cluster.matmul_efficiency
+    assert cluster.matmul_efficiency["bfloat16"] == base.matmul_efficiency["bfloat16"]
+    assert cluster.peak_flops_per_s("bfloat16") == base.peak_flops_per_s("bfloat16")
