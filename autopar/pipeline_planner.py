@@ -16,8 +16,9 @@ sub-meshes minimizing Σ t_i + (B − 1)·max t_i, a stage's time including rece
 activations and sending their cotangents back (there priced without layouts, which are not
 known yet: `transfer_s`).  The assembled plan prices every transfer from the sending and
 receiving stages' chosen layouts as the runtime moves it (`passes.transfer_cost`:
-re-layout on the sender, the copy, the cut on the receiver).  The plan records every
-layer's solution (`LayerPlan`), which the runtime emits as sharding constraints.
+re-layout on the sender, the copy of each byte once, the gather or cut on the receiver).
+The plan records every layer's solution (`LayerPlan`), which the runtime emits as
+sharding constraints.
 """
 
 from __future__ import annotations
@@ -1259,11 +1260,13 @@ def _transfer_record(what: str, vid: int, nbytes: int, src: int, dst: int,
     """One priced transfer as the plan's `solver["transfers"]` lists it (per micro-batch
     for activations and cotangents, per step for inputs several stages read and their
     gradients); seconds and bytes: `nbytes` of the whole value, of the re-layout per
-    sending device and of the copy per receiving device."""
+    sending device, of the copy per receiving device and of the receiver's gather of the
+    wire pieces per receiving device (`transfer_cost.TransferPrice`)."""
     return {"what": what, "value": vid, "nbytes": nbytes, "from_stage": src, "to_stage": dst,
             "route": price.route, "relayout_bytes": price.relayout_bytes,
             "relayout_s": price.relayout_s, "copy_bytes": price.copy_bytes,
-            "copy_s": price.copy_s, "receive_s": price.receive_s, "total_s": price.total_s}
+            "copy_s": price.copy_s, "gather_bytes": price.gather_bytes,
+            "gather_s": price.gather_s, "receive_s": price.receive_s, "total_s": price.total_s}
 
 
 def param_layouts(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],

@@ -12,12 +12,14 @@ and its copies, pulled by the receiver and served behind the sender's later prog
 deadlocked pipelines: see `_cross_process_copy`.)
 `move` reduces every other case to that one:
 
-1. on the source's devices, re-lay the array out with the destination's tiling (same
-   device count), or replicated on the first k devices when the counts differ
-   (k = the smaller count);
+1. on the source's devices, re-lay the array out with the tiling of the destination's
+   wire layout (same device count; `wire_sharding`: the destination's layout cut further
+   over the mesh axes it leaves unused, so that no byte crosses twice), or replicated on
+   the first k devices when the counts differ (k = the smaller count);
 2. the cross-process copy (same count, same tiling);
-3. on the destination's devices, re-lay it out as asked (a destination spanning several
-   processes: a whole copy to one device of each, which cuts its own shards).
+3. on the destination's devices, re-lay it out as asked (the wire pieces all-gathered
+   into the copies the destination holds; a destination spanning several processes: a
+   whole copy to one device of each, which cuts its own shards).
 
 Steps 1 and 3 are local to the processes that hold the source or the destination; a
 process that holds neither only makes a placeholder of the result.
@@ -43,6 +45,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from . import env_settings
+from .passes.transfer_cost import wire_spec
 
 
 def multi_process() -> bool:
@@ -315,39 +318,74 @@ def move(x: Any, sharding: Sharding) -> Any:
     if len(_processes(sharding)) > 1 and len(src_devices) != len(dst_devices):
         return _to_processes(x, sharding)
     if len(src_devices) == len(dst_devices) and isinstance(sharding, NamedSharding):
-        mid = with_tiling(sharding, src_devices)
-        return _step(_step(x, mid), sharding)
+        # As `local_move`: the wire pieces cross, the destination gathers its copies.
+        on_wire = wire_sharding(sharding, tuple(x.shape))
+        y = _step(_step(x, with_tiling(on_wire, src_devices)), on_wire)
+        return y if on_wire is sharding else _relayout(y, sharding)
     k = min(len(src_devices), len(dst_devices))
     return move(_step(_narrow(x, src_devices[:k]), _replicated_on(dst_devices[:k])), sharding)
 
 
 def local_move(x: jax.Array, sharding: Sharding) -> jax.Array:
     """`x` laid out as `sharding` in one process, device to device, asynchronously: a
-    re-layout among x's devices (a jitted identity) and/or one copy between equal tilings
-    (to a different device count: whole copies, cut on the destination)."""
+    re-layout among x's devices (a jitted identity) and/or one copy between equal tilings,
+    that of the destination's wire layout (`wire_sharding`), all-gathered on the
+    destination where it holds copies (to a different device count: whole copies, cut on
+    the destination).  `passes.transfer_cost` prices these steps."""
     if x.sharding == sharding:
         return x
-    for op in _route(x.sharding, sharding, x.ndim):
+    for op in _route(x.sharding, sharding, tuple(x.shape)):
         x = op(x)
     return x
 
 
 @functools.lru_cache(maxsize=4096)
-def _route(src: Sharding, dst: Sharding, ndim: int) -> tuple[Any, ...]:
-    """The steps `local_move` takes from `src` to `dst` (each x -> x)."""
+def _route(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple[Any, ...]:
+    """The steps `local_move` takes from `src` to `dst` for an array of `shape` (each
+    x -> x)."""
     def copy_to(sharding: Sharding) -> Any:
         return functools.partial(jax.device_put, device=sharding)
 
-    if _same_tiling(src, dst, ndim):
-        return (copy_to(dst),)
+    ndim = len(shape)
     if src.device_set == dst.device_set:
-        return (_reshard(dst),)
+        return (copy_to(dst),) if _same_tiling(src, dst, ndim) else (_reshard(dst),)
     src_devices, dst_devices = _devices(src), _devices(dst)
     if len(src_devices) == len(dst_devices) and isinstance(dst, NamedSharding):
-        return (_reshard(with_tiling(dst, src_devices)), copy_to(dst))
+        # Each receiving device is copied its piece of the wire layout, which the
+        # destination then gathers (none when `dst` holds no two equal pieces).
+        on_wire = wire_sharding(dst, shape)
+        mid = with_tiling(on_wire, src_devices)
+        steps = () if _same_tiling(src, mid, ndim) else (_reshard(mid),)
+        steps += (copy_to(on_wire),)
+        return steps if on_wire is dst else steps + (_reshard(dst),)
+    if _same_tiling(src, dst, ndim):
+        return (copy_to(dst),)
     whole = _replicated_on(dst_devices)
     last = copy_to(dst) if dst.is_fully_replicated else _reshard(dst)
     return (_reshard(_replicated_on(src_devices)), copy_to(whole), last)
+
+
+def wire_sharding(dst: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+    """The layout an array of `shape` crosses into `dst` from other devices in: `dst` cut
+    further over the mesh axes its spec leaves unused (`transfer_cost.wire_spec`, which
+    the planner prices the move by), so that the slow link between two device sets
+    carries each byte once and the copies `dst` holds are made by an all-gather among its
+    own devices.  `dst` itself where it holds no two equal pieces."""
+    spec = tuple(_axes_of(entry) for entry in tuple(dst.spec) + (None,) * (
+        len(shape) - len(dst.spec)))
+    mesh = dst.mesh
+    cut = wire_spec(shape, spec, mesh.devices.shape, mesh.axis_names)
+    if cut == spec:
+        return dst
+    return NamedSharding(mesh, PartitionSpec(*(
+        None if not axes else axes[0] if len(axes) == 1 else axes for axes in cut)))
+
+
+def _axes_of(entry: Any) -> tuple[str, ...]:
+    """A `PartitionSpec` entry as the tuple of mesh axes it splits its dim over."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _same_tiling(a: Sharding, b: Sharding, ndim: int) -> bool:

@@ -14,13 +14,14 @@ import math
 import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import autopar
-from autopar import transfer
+from autopar import models, transfer
 from autopar.cost_model import ClusterSpec, Link, hlo_audit
 from autopar.cost_model.collectives import send_recv_s
-from autopar.passes.sharding_spec import MeshContext, replicated, reshard_s
-from autopar.passes.transfer_cost import Layout, price_transfer, route
+from autopar.passes.sharding_spec import MeshContext, replicated, reshard_s, reshard_steps
+from autopar.passes.transfer_cost import Layout, price_transfer, route, wire_spec
 
 from helpers import assert_same_micro_batched_run, cheap_comm_cluster
 from models import make_case
@@ -50,7 +51,7 @@ def test_equal_tilings_copy_each_shard():
 
 def test_same_tiling_on_meshes_of_other_shapes_is_a_plain_copy():
     # Rows over (x, y) of a 2x2 mesh and over x of a 4-device one: device k holds block k.
-    assert route(_on((("x", "y"), ()), (2, 2)), _on(SPLIT_ROWS, (4,))) == "copy"
+    assert route(_on((("x", "y"), ()), (2, 2)), _on(SPLIT_ROWS, (4,)), SHAPE) == "copy"
     # A cut the sender can make locally in the receiver's tiling: no collective.
     price = price_transfer(SHAPE, NBYTES, _on(WHOLE, (2, 2)), _on(SPLIT_ROWS, (4,)), LINK)
     assert price.route == "relayout+copy" and price.relayout == ()
@@ -64,11 +65,17 @@ def test_another_tiling_of_as_many_devices_is_re_laid_out_on_the_sender():
     assert [s.kind for s in price.relayout] == ["all-to-all"]
     assert price.relayout_s == reshard_s(SPLIT_ROWS, SPLIT_COLS, NBYTES, src.mesh) > 0.0
     assert price.copy_bytes == NBYTES / 4
-    # Into a replicated reader: the sender all-gathers, every receiving device gets it all.
-    price = price_transfer(SHAPE, NBYTES, src, _on(WHOLE, (4,)), LINK)
+    # Into a replicated reader: the sender all-gathers (its program returns the value in
+    # the reader's tiling), each receiving device is sent a quarter (a local slice) and
+    # the reader all-gathers the quarters.
+    dst = _on(WHOLE, (4,))
+    price = price_transfer(SHAPE, NBYTES, src, dst, LINK)
+    assert price.route == "relayout+copy+gather"
     assert [(s.kind, s.nbytes) for s in price.relayout] == [("all-gather", NBYTES)]
     assert price.relayout_s == src.mesh.all_gather_s(NBYTES, ("x",))
-    assert price.copy_bytes == NBYTES
+    assert price.copy_bytes == NBYTES / 4
+    assert [(s.kind, s.nbytes) for s in price.gather] == [("all-gather", NBYTES)]
+    assert price.gather_s == dst.mesh.all_gather_s(NBYTES, ("x",))
 
 
 @pytest.mark.parametrize("dst_spec", [SPLIT_ROWS, SPLIT_COLS, WHOLE])
@@ -79,17 +86,63 @@ def test_other_device_counts_get_whole_copies_cut_on_arrival(dst_spec):
     assert [(s.kind, s.nbytes) for s in price.relayout] == [("all-gather", NBYTES)]
     assert price.relayout_s == src.mesh.all_gather_s(NBYTES, ("x",))
     assert price.copy_bytes == NBYTES and price.copy_s == send_recv_s(NBYTES, 2, LINK)
-    assert price.receive == () and price.receive_s == 0.0     # the cut is a local slice
+    assert price.gather == () and price.receive == ()     # the cut is a local slice
     # Already whole on the sender: nothing to gather.
     price = price_transfer(SHAPE, NBYTES, _on(WHOLE, (4,)), _on(dst_spec, (2,)), LINK)
     assert price.relayout == () and price.copy_bytes == NBYTES
 
 
-def test_a_replicated_reader_receives_the_whole_value_per_device():
-    for src, dst in [(_on(WHOLE, (4,)), _on(WHOLE, (4,))),
-                     (_on(SPLIT_ROWS, (4,)), _on(WHOLE, (4,))),
-                     (_on(SPLIT_ROWS, (4,)), _on(WHOLE, (2,)))]:
-        assert price_transfer(SHAPE, NBYTES, src, dst, LINK).copy_bytes == NBYTES
+def test_the_link_between_sub_meshes_carries_each_byte_once():
+    # Regression (62c1ca3 priced, and the runtime made, one whole copy per receiving device
+    # for a reader holding copies: GPT-39B on 8x8xV100-16GB, whose stages read two of their
+    # 16 MiB activations replicated or split 2 ways on 8 devices over the hosts' 25 Gb/s,
+    # planned 16 stages at 312.8 s per step instead of 8 at 165.2 s).  Between as many
+    # devices the copy is each device's piece of the wire layout, the reader's layout cut
+    # over the axes it leaves unused, and the reader gathers over its own links.
+    for src, dst, on_wire in [
+            (_on(WHOLE, (4,)), _on(WHOLE, (4,)), SPLIT_ROWS),
+            (_on(SPLIT_ROWS, (4,)), _on(WHOLE, (4,)), SPLIT_ROWS),
+            (_on(SPLIT_ROWS, (2, 2)), _on(SPLIT_ROWS, (2, 2)), (("x", "y"), ())),
+            (_on(SPLIT_COLS, (2, 4)), _on((("y",), ()), (2, 4)), (("y", "x"), ()))]:
+        price = price_transfer(SHAPE, NBYTES, src, dst, LINK)
+        assert price.route.endswith("+gather")
+        assert price.copy_bytes == NBYTES / dst.devices
+        assert price.gather == reshard_steps(on_wire, dst.spec, NBYTES, dst.mesh)
+        assert price.gather_s > 0.0
+    # A layout without copies crosses as it is; a different device count whole.
+    assert price_transfer(SHAPE, NBYTES, _on(SPLIT_ROWS, (4,)), _on(SPLIT_ROWS, (4,)),
+                          LINK).gather == ()
+    assert price_transfer(SHAPE, NBYTES, _on(SPLIT_ROWS, (4,)), _on(WHOLE, (2,)),
+                          LINK).copy_bytes == NBYTES
+
+
+def test_wire_spec_cuts_over_the_unused_axes_where_they_divide():
+    assert wire_spec((64, 32), WHOLE, (4,), ("x",)) == SPLIT_ROWS
+    assert wire_spec((1, 32), WHOLE, (4,), ("x",)) == SPLIT_COLS      # rows do not divide
+    assert wire_spec((1, 2), WHOLE, (4,), ("x",)) == WHOLE            # nothing divides
+    assert wire_spec((64, 32), SPLIT_COLS, (4,), ("x",)) == SPLIT_COLS
+    assert wire_spec((8, 32), (("x",), ()), (2, 4), ("x", "y")) == (("x", "y"), ())
+    assert wire_spec((2, 32), (("x",), ()), (2, 4), ("x", "y")) == (("x",), ("y",))
+    assert wire_spec((8, 32), WHOLE, (2, 1), ("x", "y")) == SPLIT_ROWS
+
+
+def test_local_move_into_copies_sends_each_piece_once():
+    # The runtime's side of the rule above: 4 devices to 4 others, replicated on both; each
+    # receiving device is copied a quarter, then the receiver all-gathers (what the plan
+    # prices), and the value arrives whole on every device.
+    devices = jax.devices()
+    if len(devices) < 8:
+        pytest.skip("needs 8 devices")
+    src = NamedSharding(Mesh(np.array(devices[:4]), ("x",)), PartitionSpec())
+    dst = NamedSharding(Mesh(np.array(devices[4:8]), ("x",)), PartitionSpec())
+    value = jax.ShapeDtypeStruct(SHAPE, np.float32)
+    relayout, copied = _route_bytes(src, dst, value)
+    assert copied == NBYTES / 4
+    assert relayout == NBYTES       # the receiver's all-gather (hlo_audit's S)
+    x = jax.device_put(np.arange(64 * 32, dtype=np.float32).reshape(SHAPE), src)
+    y = transfer.local_move(x, dst)
+    assert y.sharding == dst
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
 
 
 def test_a_re_layout_after_arrival_is_priced_on_the_receiver():
@@ -99,6 +152,24 @@ def test_a_re_layout_after_arrival_is_priced_on_the_receiver():
     assert [(s.kind, s.nbytes) for s in price.receive] == [("all-gather", NBYTES)]
     assert price.receive_s == dst.mesh.all_gather_s(NBYTES, ("x",))
     assert price.total_s == price.copy_s + price.receive_s
+
+
+def test_a_planned_pipeline_sends_each_byte_once_between_equal_sub_meshes():
+    # The regression above, planned: GPT-toy in micro-batches of one sequence (no batch
+    # rows to split, as GPT-39B's 1,024 micro-batches of one) on two hosts of 4 V100s, one
+    # stage per host.  Its stages read some activations whole or split over one of their
+    # two mesh axes; every value crosses the hosts' link once, as the stage DP's
+    # layout-free estimate assumed (nbytes / devices per receiving device), and the
+    # readers' copies are made by gathers on their own host.
+    train_step, args = models.train_step_and_args("gpt-toy", 8)
+    plan = autopar.plan(train_step, *args, cluster="2x4xV100-16GB",
+                        method=autopar.PipeshardParallel(num_micro_batches=8,
+                                                         submesh_shapes=((1, 4), (1, 4))))
+    records = plan.solver["transfers"]
+    assert records
+    for r in records:
+        assert r["copy_bytes"] == r["nbytes"] / 4, r
+    assert any(r["route"].endswith("+gather") for r in records)
 
 
 # ---- the plan's prices against a compiled step ------------------------------------------
@@ -122,7 +193,7 @@ def _route_bytes(src, dst, value) -> tuple[float, float]:
     equal tilings or onto a replicated layout) moves each target device's own shard."""
     relayout = copied = 0.0
     at = src
-    for op in transfer._route(src, dst, len(value.shape)):
+    for op in transfer._route(src, dst, tuple(value.shape)):
         if hasattr(op, "lower"):
             compiled = op.lower(jax.ShapeDtypeStruct(value.shape, value.dtype,
                                                      sharding=at)).compile()
@@ -212,7 +283,9 @@ def test_transfer_bytes_of_a_compiled_pipeline_are_the_priced_ones(name, layout,
     assert plan.solver["per_step_transfer_s"] == pytest.approx(
         sum(r["total_s"] for r in records if r["what"] in ("input", "gradient")))
     times = lambda r: micro if r["what"] in ("activation", "cotangent") else 1
-    priced_relayout = sum(times(r) * r["relayout_bytes"] for r in records)
+    # The receivers' gathers of the wire pieces are re-layout programs too (`_route_bytes`).
+    priced_relayout = sum(times(r) * (r["relayout_bytes"] + r["gather_bytes"])
+                          for r in records)
     priced_copy = sum(times(r) * r["copy_bytes"] for r in records)
     measured_relayout, measured_copy = _measured(runtime, micro)
     print(f"{name}: priced re-layout {priced_relayout:.0f} B + copies {priced_copy:.0f} B; "
