@@ -36,16 +36,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.graph import Graph, Lit
 from autopar.interpret import bind
+from autopar.passes import primitives
 from autopar.passes.sharding_spec import Spec
 
 from .emit import to_pspec
 from .passes import fallbacks
-
-# Equations that map a sum of parts to the sum of their images.
-_LINEAR_UNARY = frozenset({"convert_element_type", "reshape", "transpose", "copy", "copy_p",
-                           "squeeze", "expand_dims", "reduce_precision", "broadcast_in_dim",
-                           "neg"})
-_LINEAR_SUM = frozenset({"add", "add_any"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +128,8 @@ def defers(eqn: Any) -> bool:
 def passes_sums(name: str) -> bool:
     """Whether an equation maps a sum of parts to the sum of its images (a deferred
     gradient goes through it unreduced)."""
-    return name in _LINEAR_UNARY or name in _LINEAR_SUM
+    facts = primitives.info(name)
+    return facts.linear or facts.linear_sum
 
 
 def scales(eqn: Any) -> bool:
@@ -251,7 +247,7 @@ class DeferredBackward:
         if key in d.linear and (scales(eqn) or not any(isinstance(v, Lit)
                                                        for v in eqn.inputs)):
             out_spec = d.specs.get(eqn.outputs[0])
-            if eqn.name in _LINEAR_SUM:
+            if primitives.info(eqn.name).linear_sum:
                 total = GradSum({})
                 for x in ins:
                     total = total + (x if isinstance(x, GradSum) else GradSum({(): x}))

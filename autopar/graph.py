@@ -24,25 +24,11 @@ import jax.extend.core as jcore
 import numpy as np
 from jax._src import source_info_util
 
+from autopar.passes import primitives
+
 from .interpret import Lit, run_eqns
 
-# Primitives whose single sub-jaxpr can be inlined with the same results.
-_INLINE_JAXPR_PARAM: dict[str, str] = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
-    "autopar_compute_grad": "grad_jaxpr",
-}
-
-
 Operand = int | Lit
-_REMAT = frozenset({"remat2", "checkpoint"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,66 +133,7 @@ def _aval_shape_dtype(aval: Any) -> tuple[tuple[int, ...], Any]:
     return shape, getattr(aval, "dtype", np.dtype("float32"))
 
 
-# ---- FLOP rules ---------------------------------------------------------------------------
-
-FlopRule = Callable[[dict, Sequence[tuple[int, ...]], Sequence[tuple[int, ...]]], float]
-
-
-def _dot_flops(params: dict, ins: Sequence[tuple[int, ...]], outs: Sequence) -> float:
-    (lc, _), _ = params["dimension_numbers"]
-    contract = math.prod(ins[0][d] for d in lc)
-    return 2.0 * math.prod(outs[0]) * contract
-
-
-def _conv_flops(params: dict, ins: Sequence[tuple[int, ...]], outs: Sequence) -> float:
-    dn = params["dimension_numbers"]
-    rhs = ins[1]
-    # rhs spec: (out feature dim, in feature dim, spatial...)
-    in_features = rhs[dn.rhs_spec[1]]
-    window = math.prod(rhs[d] for d in dn.rhs_spec[2:])
-    return 2.0 * math.prod(outs[0]) * in_features * window
-
-
-def _out_elems(params: dict, ins: Sequence, outs: Sequence) -> float:
-    return float(sum(math.prod(o) for o in outs))
-
-
-def _in_elems(params: dict, ins: Sequence, outs: Sequence) -> float:
-    return float(math.prod(ins[0])) if ins else 0.0
-
-
-def _sort_flops(params: dict, ins: Sequence, outs: Sequence) -> float:
-    n = math.prod(ins[0]) if ins else 0
-    return float(n * max(1.0, math.log2(max(n, 2))))
-
-
-# Elementwise primitives: one FLOP per output element (the arithmetic ones), and the rest
-# (conversions, comparisons, bit operations: no FLOPs).  Every elementwise equation takes
-# its operands' layout (passes/strategies.py).
-ELEMENTWISE_ARITHMETIC: tuple[str, ...] = tuple((
-    "add add_any sub mul div max min neg exp exp2 log log1p tanh logistic sin cos tan sqrt rsqrt "
-    "cbrt pow integer_pow abs sign floor ceil round erf erfc erf_inv select_n clamp square "
-    "expm1 atan2 asin acos atan sinh cosh asinh acosh atanh rem nextafter is_finite "
-    # jax >= 0.11: tanh's derivative 1 - y² (jax.lax.one_minus_square) is its own primitive.
-    "one_minus_square"
-).split())
-ELEMENTWISE: tuple[str, ...] = ELEMENTWISE_ARITHMETIC + tuple((
-    "convert_element_type bitcast_convert_type reduce_precision copy copy_p stop_gradient "
-    "eq ne lt le gt ge and or not xor shift_left shift_right_logical shift_right_arithmetic "
-    "population_count clz real imag conj complex optimization_barrier"
-).split())
-
-flop_rules: dict[str, FlopRule] = {
-    "dot_general": _dot_flops,
-    "conv_general_dilated": _conv_flops,
-    **{name: _out_elems for name in ELEMENTWISE_ARITHMETIC},
-    **{name: _in_elems for name in (
-        "reduce_sum reduce_max reduce_min reduce_prod argmax argmin cumsum cumprod cummax "
-        "cummin cumlogsumexp reduce_and reduce_or reduce_xor"
-    ).split()},
-    "sort": _sort_flops,
-    "top_k": _sort_flops,
-}
+# ---- FLOPs --------------------------------------------------------------------------------
 
 
 def _sub_jaxpr_flops(jaxpr: Any) -> float:
@@ -228,7 +155,7 @@ def equation_flops(name: str, params: dict, ins: Sequence[tuple[int, ...]],
         return _sub_jaxpr_flops(params["body_jaxpr"]) + _sub_jaxpr_flops(params["cond_jaxpr"])
     if name == "cond":
         return max(_sub_jaxpr_flops(b) for b in params["branches"])
-    rule = flop_rules.get(name)
+    rule = primitives.info(name).flops
     return rule(params, ins, outs) if rule else 0.0
 
 
@@ -443,7 +370,7 @@ class _Builder:
     def emit_jaxpr(self, jaxpr: jcore.Jaxpr, env: dict) -> None:
         for eqn in jaxpr.eqns:
             ins = [self.read(env, v) for v in eqn.invars]
-            param = _INLINE_JAXPR_PARAM.get(eqn.primitive.name)
+            param = primitives.info(eqn.primitive.name).body_param
             if (self.inline and param is not None and param in eqn.params
                     and eqn.primitive.name not in self.keep):
                 self.inline_call(eqn, eqn.params[param], ins, env)
@@ -473,7 +400,8 @@ class _Builder:
             inner_env[var] = self.new_value(var.aval, const_index=len(self.consts))
             self.consts.append(const)
         cse = eqn.params.get("prevent_cse", False)
-        if eqn.primitive.name in _REMAT and eqn.params.get("differentiated", False) and cse:
+        if (primitives.info(eqn.primitive.name).remat and eqn.params.get("differentiated", False)
+                and cse):
             flags = (cse,) * len(ins) if isinstance(cse, bool) else cse
             tied = tuple(op for op, f in zip(ins, flags) if f and isinstance(op, int)
                          and self.values[op].const_index is None)

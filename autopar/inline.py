@@ -15,13 +15,14 @@ from typing import Any
 
 import jax.extend.core as jcore
 
-_CALLS = frozenset({"jit", "pjit"})
+from autopar.passes import primitives
+
 _REQUESTED = frozenset({"jax_early", "jax_late"})   # jax 0.11's `Inline` values for True
 
 
 def requested(eqn: Any) -> bool:
     """Whether `eqn` is a `jit` call its author asked to be inlined."""
-    if eqn.primitive.name not in _CALLS:
+    if not primitives.info(eqn.primitive.name).jit_call:
         return False
     flag = eqn.params.get("inline")
     return flag is True or getattr(flag, "value", None) in _REQUESTED

@@ -32,8 +32,8 @@ import numpy as np
 from jax._src import source_info_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from autopar.graph import ELEMENTWISE
 from autopar.interpret import run_eqns
+from autopar.passes import primitives
 
 from . import transfer
 from .passes import fallbacks
@@ -104,18 +104,20 @@ def state_layouts(jaxpr: jcore.Jaxpr, eqns: Sequence[int], known: Mapping[Any, t
     return out
 
 
-# Call equations whose body is connected like the program around them: `jnp.where` is a
-# `jit` call (`_where`) of one `select_n`, and an optimizer that picks per parameter with
-# it (Adafactor's parameter-scale floor, RAdam's rectification) would otherwise leave the
-# pick without its parameter's layout: made on another stage, replicated, and moved.
-_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
-          "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr"}
+def _call_body(e: Any) -> Any:
+    """The body of `e` if it is a call whose body is connected like the program around it
+    (the registry's `connects_body`), else None: `jnp.where` is a `jit` call (`_where`) of
+    one `select_n`, and an optimizer that picks per parameter with it (Adafactor's
+    parameter-scale floor, RAdam's rectification) would otherwise leave the pick without
+    its parameter's layout: made on another stage, replicated, and moved."""
+    facts = primitives.info(e.primitive.name)
+    return e.params.get(facts.body_param) if facts.connects_body else None
 
 
 def _connect(eqns: Iterable[Any], classes: _Classes, env: dict[Any, Any] | None = None
              ) -> None:
     """Unions in `classes` each output of a same-shape elementwise equation of `eqns` with
-    its inputs of that shape, looking inside call equations (`_CALLS`).  `env` names the
+    its inputs of that shape, looking inside call equations (`_call_body`).  `env` names the
     variables of a call's body by the caller's; the body's other variables get fresh
     names (a body traced once may be called for several parameters)."""
     def name(v: Any) -> Any:
@@ -126,7 +128,7 @@ def _connect(eqns: Iterable[Any], classes: _Classes, env: dict[Any, Any] | None 
         return env[v]
 
     for e in eqns:
-        sub = e.params.get(_CALLS.get(e.primitive.name, ""))
+        sub = _call_body(e)
         if sub is not None:
             body = getattr(sub, "jaxpr", sub)
             inner: dict[Any, Any] = {}
@@ -142,7 +144,7 @@ def _connect(eqns: Iterable[Any], classes: _Classes, env: dict[Any, Any] | None 
                     inner[a] = name(b)
             _connect(body.eqns, classes, inner)
             continue
-        if e.primitive.name not in ELEMENTWISE or len(e.outvars) != 1:
+        if not primitives.info(e.primitive.name).elementwise or len(e.outvars) != 1:
             continue
         out = e.outvars[0]
         for v in e.invars:

@@ -22,6 +22,7 @@ import jax.extend.core as jcore
 
 from autopar.graph import Graph
 from autopar.interpret import eval_jaxpr, read, run_eqns
+from autopar.passes import primitives
 
 from .markers import compute_grad_p, pipeline_boundary_p
 from .microbatch import MicroBatchError, batch_derived, compute_grad_eqns
@@ -72,7 +73,7 @@ class SplitStep:
 
 def _has_remat(jaxpr: jcore.Jaxpr) -> bool:
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("remat2", "checkpoint"):
+        if primitives.info(eqn.primitive.name).remat:
             return True
         for sub in jcore.jaxprs_in_params(eqn.params):
             if _has_remat(sub):

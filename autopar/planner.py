@@ -26,18 +26,13 @@ import jax
 
 from autopar.cost_model import ClusterSpec
 from autopar.graph import Graph, Lit
-from autopar.passes import intra_op
+from autopar.passes import intra_op, primitives
 from autopar.passes.sharding_spec import MeshContext, Spec, replicated, state_split
 
 from .methods import Method, Role
 from .microbatch import reduced_once
 from .plan import Plan, PredictedCost
 from .solve_pool import SolvePool, answer_bound_s
-
-# Equations through which a parameter reaches its use unchanged in layout.
-_PASS_THROUGH = frozenset({"convert_element_type", "reshape", "transpose", "broadcast_in_dim",
-                           "copy", "copy_p", "squeeze", "expand_dims", "reduce_precision"})
-_PARAM_USES = frozenset({"dot_general", "conv_general_dilated", "gather", "scan", "while"})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -81,10 +76,11 @@ def input_roles(graph: Graph, batch_positions: set[int]) -> tuple[Role, ...]:
             v = frontier.pop()
             for e in graph.consumers[v]:
                 eqn = graph.eqns[e]
-                if eqn.name in _PARAM_USES:
+                facts = primitives.info(eqn.name)
+                if facts.param_use:
                     is_param = True
                     break
-                if eqn.name in _PASS_THROUGH:
+                if facts.layout_only:
                     for o in eqn.outputs:
                         if o not in seen:
                             seen.add(o)

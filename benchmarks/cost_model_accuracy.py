@@ -86,7 +86,7 @@ import autopar  # noqa: E402
 from autopar import models as zoo  # noqa: E402
 from autopar import pipeline, pipeline_planner  # noqa: E402
 from autopar.cost_model import ClusterSpec, Link, compile_log, hlo_audit  # noqa: E402
-from autopar.passes import intra_op, strategies  # noqa: E402
+from autopar.passes import intra_op, primitives  # noqa: E402
 from autopar.passes.sharding_spec import MeshContext  # noqa: E402
 from autopar.plan import Plan  # noqa: E402
 from benchmarks.baselines import MegatronTP, input_names  # noqa: E402
@@ -370,8 +370,8 @@ def replay_pipeline(step, method, plan, args, clusters: list[ClusterSpec]) -> li
     return out
 
 
-_FUSIBLE = frozenset(strategies.ELEMENTWISE) | {"broadcast_in_dim", "reshape", "squeeze",
-                                                 "expand_dims"}
+_FUSIBLE = frozenset(primitives.spellings(lambda p: p.elementwise)) | {
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims"}
 
 
 def memory_what_if(program, plan, mesh: MeshContext) -> dict[str, float]:

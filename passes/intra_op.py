@@ -30,7 +30,7 @@ from autopar.cost_model import collectives
 from autopar.cost_model.units import format_bytes
 from autopar.graph import Graph, Lit, Value, is_numeric
 
-from . import fallbacks
+from . import fallbacks, primitives
 from . import memory as mem
 from . import strategies as st
 from .sharding_spec import (
@@ -590,7 +590,7 @@ class _ProblemBuilder:
             rule = st.strategy_rules.get(eqn.name)
             operand_ids = [op for op in eqn.inputs if isinstance(op, int)]
             if all(op in self.fixed for op in operand_ids) and (
-                    rule is None and eqn.name in st.SOURCES or
+                    rule is None and primitives.info(eqn.name).source or
                     rule is not None and rule.kind == "follow"):
                 self.fixed.update(eqn.outputs)
                 continue
@@ -853,7 +853,7 @@ class _ProblemBuilder:
             if want is None or have is None or want == have:
                 continue
             sliced = is_slice(have, want)
-            if sliced and graph.eqns[eqn].name in mem.FUSING_CONSUMERS:
+            if sliced and primitives.info(graph.eqns[eqn].name).reads_fused:
                 continue  # the slice is fused into the reader, which reads the whole value
             # A move is routed through the gathered layout (`gather_first`): the larger copy.
             shards = self.mesh.shards(want) if sliced else min(

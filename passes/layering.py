@@ -46,11 +46,10 @@ import numpy as np
 
 from autopar.graph import Graph
 
-__all__ = ["Layering", "crossing_bytes", "run", "auto_num_layers", "HEAVY_PRIMITIVES",
-           "MAX_AUTO_LAYERS"]
+from . import primitives
 
-# Primitives counted by the "auto" layer-count rule.
-HEAVY_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+__all__ = ["Layering", "crossing_bytes", "run", "auto_num_layers", "MAX_AUTO_LAYERS"]
+
 MAX_AUTO_LAYERS = 16
 
 
@@ -107,7 +106,7 @@ def auto_num_layers(graph: Graph) -> int:
     layers, or attention's two batched matmuls) together; 16 layers are plenty for the stage
     DP, whose cost grows as L².
     """
-    heavy = sum(1 for e in graph.eqns if e.name in HEAVY_PRIMITIVES)
+    heavy = sum(1 for e in graph.eqns if primitives.info(e.name).heavy)
     with_flops = sum(1 for e in graph.eqns if e.flops > 0)
     return max(1, min(heavy // 2, MAX_AUTO_LAYERS, with_flops))
 

@@ -36,29 +36,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from autopar.graph import ELEMENTWISE, Graph
+from autopar.graph import Graph
 
+from . import primitives
 from .sharding_spec import COMBINE_BYTES
-
-# Equations XLA fuses into their consumers (loop fusion): no buffer of their own when every
-# consumer can take them as a fused operand.
-FUSIBLE_PRODUCERS: frozenset[str] = frozenset(ELEMENTWISE) | {
-    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "iota", "transpose",
-    "slice", "dynamic_slice", "concatenate", "pad", "rev", "select_n", "clamp",
-}
-# Equations that read fused operands: loop fusions (elementwise, layout changes) and input
-# fusions (reductions read their operand's producers inside the reduce kernel).
-FUSING_CONSUMERS: frozenset[str] = FUSIBLE_PRODUCERS | {
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-    "argmax", "argmin",
-}
-_REDUCTIONS: frozenset[str] = FUSING_CONSUMERS - FUSIBLE_PRODUCERS
-# Producers XLA recomputes in every consumer that fuses them only when cheap; an expensive
-# one with several consumers keeps its buffer (xla::HloInstruction::IsElementwise + the
-# fusion pass's "do not duplicate expensive ops").
-EXPENSIVE: frozenset[str] = frozenset(
-    "exp exp2 log log1p tanh logistic sin cos tan sqrt rsqrt cbrt pow div rem erf erfc "
-    "erf_inv atan2 asin acos atan sinh cosh asinh acosh atanh expm1".split())
 
 
 def _expensive(graph: Graph, e) -> bool:
@@ -66,7 +47,7 @@ def _expensive(graph: Graph, e) -> bool:
     broadcast non-scalar (softmax's normalization) is rewritten by XLA's algebraic
     simplifier into a multiplication by the reciprocal of the smaller operand: cheap."""
     if e.name != "div":
-        return e.name in EXPENSIVE
+        return primitives.info(e.name).expensive
     divisor = e.inputs[1] if len(e.inputs) > 1 else None
     if isinstance(divisor, int) and graph.values[divisor].producer is not None:
         src = graph.eqns[graph.values[divisor].producer]
@@ -74,12 +55,6 @@ def _expensive(graph: Graph, e) -> bool:
                 and graph.values[src.inputs[0]].ndim > 0:
             return False
     return True
-
-
-# Consumers that make a partial sum's reduction urgent (the critical path waits for it).
-_INDEXED = frozenset({"gather", "scatter-add", "scatter_add", "scatter"})
-_CRITICAL = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add",
-                       "scatter_add", "scatter", "sort", "top_k", "scan", "while", "cond"})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -169,8 +144,8 @@ def analyze(graph: Graph, *, cpu: bool = False) -> BufferInfo:
     if cpu:
         for e in graph.eqns:
             users = graph.consumers[e.outputs[0]] if len(e.outputs) == 1 else ()
-            into_reduce[e.index] = (e.name in FUSIBLE_PRODUCERS and bool(users) and all(
-                graph.eqns[u].name in _REDUCTIONS for u in users))
+            into_reduce[e.index] = (primitives.info(e.name).fusible and bool(users) and all(
+                primitives.info(graph.eqns[u].name).fusion_reduce for u in users))
     horizon = n_eqns + 1
     is_output = np.zeros(n_vals, bool)
     for op in graph.outvars:
@@ -182,13 +157,13 @@ def analyze(graph: Graph, *, cpu: bool = False) -> BufferInfo:
             folded[v.id] = True
     for e in graph.eqns:
         ops = [op for op in e.inputs if isinstance(op, int)]
-        if all(folded[op] for op in ops) and e.name not in ("random_bits", "rng_bit_generator"):
+        if all(folded[op] for op in ops) and not primitives.info(e.name).random:
             folded[list(e.outputs)] = True
     # Per equation output: "buffer" (every reader reads its buffer), "fused" (every reader
     # recomputes it), "split" (some readers recompute it, the others read its buffer).
     mode: dict[int, str] = {}
     for e in graph.eqns:
-        if e.name not in FUSIBLE_PRODUCERS or len(e.outputs) != 1:
+        if not primitives.info(e.name).fusible or len(e.outputs) != 1:
             continue
         out = e.outputs[0]
         users = graph.consumers[out]
@@ -197,10 +172,10 @@ def analyze(graph: Graph, *, cpu: bool = False) -> BufferInfo:
         if _expensive(graph, e) and len(users) > 1:
             continue
         fusing = [u for u in users
-                  if graph.eqns[u].name in FUSING_CONSUMERS and not into_reduce[u]]
+                  if primitives.info(graph.eqns[u].name).reads_fused and not into_reduce[u]]
         if len(fusing) == len(users):
             mode[out] = "fused"
-        elif any(graph.eqns[u].name in FUSIBLE_PRODUCERS for u in fusing):
+        elif any(primitives.info(graph.eqns[u].name).fusible for u in fusing):
             mode[out] = "split"
 
     def recomputes(vid: int, user: int) -> bool:
@@ -209,7 +184,7 @@ def analyze(graph: Graph, *, cpu: bool = False) -> BufferInfo:
         m = mode.get(vid)
         if into_reduce[user]:
             return False
-        return m == "fused" or (m == "split" and graph.eqns[user].name in FUSIBLE_PRODUCERS)
+        return m == "fused" or (m == "split" and primitives.info(graph.eqns[user].name).fusible)
 
     # last[e]: the latest time equation e's computation runs (in its own position, or
     # inside the fusions that recompute it).
@@ -246,11 +221,11 @@ def analyze(graph: Graph, *, cpu: bool = False) -> BufferInfo:
     for e in graph.eqns:
         if all(from_inputs[op] for op in e.inputs if isinstance(op, int)):
             from_inputs[list(e.outputs)] = True
-            if e.name in _INDEXED:
+            if primitives.info(e.name).indexed:
                 start[list(e.outputs)] = 0
     urgent = np.zeros(n_vals, bool)
     for e in reversed(graph.eqns):
-        hot = e.name in _CRITICAL or any(urgent[o] for o in e.outputs)
+        hot = primitives.info(e.name).critical or any(urgent[o] for o in e.outputs)
         if hot:
             for op in e.inputs:
                 if isinstance(op, int):
@@ -259,7 +234,7 @@ def analyze(graph: Graph, *, cpu: bool = False) -> BufferInfo:
     materialized = ~fused & ~folded
     inplace: dict[int, tuple[int, ...]] = {}
     for e in graph.eqns:
-        if e.name not in FUSIBLE_PRODUCERS or len(e.outputs) != 1:
+        if not primitives.info(e.name).fusible or len(e.outputs) != 1:
             continue
         out = e.outputs[0]
         if not materialized[out]:
@@ -306,7 +281,7 @@ def _cpu_broadcasts(graph: Graph, into_reduce: np.ndarray, earliest: np.ndarray,
     first: dict[tuple[int, tuple], int] = {}
     last_read: dict[tuple[int, tuple], tuple[int, int]] = {}
     for e in graph.eqns:
-        if e.name not in FUSIBLE_PRODUCERS or len(e.outputs) != 1:
+        if not primitives.info(e.name).fusible or len(e.outputs) != 1:
             continue
         shape = graph.values[e.outputs[0]].shape
         for op in e.inputs:

@@ -1,6 +1,7 @@
 """Sharding strategies per primitive: the rule table of the intra-op pass.
 
-Adding a primitive means adding a rule to `strategy_rules`.  A rule is one of:
+Adding a primitive means naming its rule family in its `passes.primitives` entry (`strategy`;
+a new family goes into `_FAMILIES`), which `strategy_rules` reads.  A rule is one of:
 
 - **follow**: the equation takes the layout of one operand (its "leader"); for each layout
   of the leader the rule gives the output specs, the specs the other operands must have,
@@ -23,9 +24,9 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 from autopar.cost_model import compute
-from autopar.graph import ELEMENTWISE, Eqn
+from autopar.graph import Eqn
 
-from . import fallbacks
+from . import fallbacks, primitives
 from .sharding_spec import MeshContext, Spec, enumerate_specs, replicated
 
 log = logging.getLogger("autopar")
@@ -632,52 +633,45 @@ def enumerate_opaque(info: EqnInfo, mesh: MeshContext) -> list[Strategy]:
 _follow = lambda fn, leader=largest_operand: StrategyRule("follow", follow=fn, leader=leader)
 _enum = lambda fn: StrategyRule("enumerate", enumerate=fn)
 
-strategy_rules: dict[str, StrategyRule] = {
-    **{name: _follow(follow_elementwise) for name in ELEMENTWISE},
-    **{name: _follow(follow_reduce, first_operand) for name in (
-        "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor "
-        "argmax argmin").split()},
-    **{name: _follow(follow_unsplit(lambda info: [info.params["axis"]]), first_operand)
-       for name in "cumsum cumprod cummax cummin cumlogsumexp".split()},
-    "broadcast_in_dim": _follow(follow_broadcast, first_operand),
-    "reshape": _follow(follow_reshape, first_operand),
-    "transpose": _follow(follow_transpose, first_operand),
-    "squeeze": _follow(follow_squeeze, first_operand),
-    "expand_dims": _follow(follow_reshape, first_operand),
-    "slice": _follow(follow_slice_like, first_operand),
-    "dynamic_slice": _follow(follow_slice_like, first_operand),
-    "dynamic_update_slice": _follow(follow_dynamic_update_slice, first_operand),
-    "concatenate": _follow(follow_concatenate),
-    "pad": _follow(follow_pad, first_operand),
-    "rev": _follow(follow_unsplit(lambda info: list(info.params["dimensions"])), first_operand),
-    "top_k": _follow(follow_top_k, first_operand),
-    "sort": _follow(follow_sort),
-    "split": _follow(follow_split, first_operand),
-    "dot_general": _enum(enumerate_dot),
-    "conv_general_dilated": _enum(enumerate_conv),
-    "gather": _enum(enumerate_gather),
-    "scatter-add": _enum(enumerate_scatter_add),
-    "scatter_add": _enum(enumerate_scatter_add),
-    **{name: _enum(enumerate_scatter)
-       for name in "scatter scatter-mul scatter-min scatter-max scatter-sub".split()},
-    "random_bits": _enum(enumerate_outputs),
-    "scan": _enum(enumerate_opaque),
-    "while": _enum(enumerate_opaque),
-    "cond": _enum(lambda info, mesh: [replicated_strategy(info, mesh)]),
-    **{name: _follow(follow_window, first_operand) for name in (
-        "reduce_window_sum reduce_window_max reduce_window_min reduce_window "
-        "select_and_scatter_add select_and_gather_add").split()},
-    # PRNG key plumbing (tiny values) and autopar's own pipeline cut marker (no operands,
-    # no results): replicated on purpose, no warning.
-    **{name: _enum(lambda info, mesh: [replicated_strategy(info, mesh)]) for name in (
-        "random_seed random_wrap random_unwrap random_split random_fold_in threefry2x32 "
-        "rng_bit_generator autopar_pipeline_boundary").split()},
+# Rule families by name: a primitive's family is its registry entry's `strategy`
+# (`passes.primitives`).  Each spelling of each primitive gets a rule object of its own.
+_FAMILIES: dict[str, Callable[[], StrategyRule]] = {
+    "elementwise": lambda: _follow(follow_elementwise),
+    "reduce": lambda: _follow(follow_reduce, first_operand),
+    "cumulative": lambda: _follow(follow_unsplit(lambda info: [info.params["axis"]]),
+                                  first_operand),
+    "broadcast_in_dim": lambda: _follow(follow_broadcast, first_operand),
+    "reshape": lambda: _follow(follow_reshape, first_operand),
+    "transpose": lambda: _follow(follow_transpose, first_operand),
+    "squeeze": lambda: _follow(follow_squeeze, first_operand),
+    "expand_dims": lambda: _follow(follow_reshape, first_operand),
+    "slice": lambda: _follow(follow_slice_like, first_operand),
+    "dynamic_slice": lambda: _follow(follow_slice_like, first_operand),
+    "dynamic_update_slice": lambda: _follow(follow_dynamic_update_slice, first_operand),
+    "concatenate": lambda: _follow(follow_concatenate),
+    "pad": lambda: _follow(follow_pad, first_operand),
+    "rev": lambda: _follow(follow_unsplit(lambda info: list(info.params["dimensions"])),
+                           first_operand),
+    "top_k": lambda: _follow(follow_top_k, first_operand),
+    "sort": lambda: _follow(follow_sort),
+    "split": lambda: _follow(follow_split, first_operand),
+    "dot_general": lambda: _enum(enumerate_dot),
+    "conv_general_dilated": lambda: _enum(enumerate_conv),
+    "gather": lambda: _enum(enumerate_gather),
+    "scatter-add": lambda: _enum(enumerate_scatter_add),
+    "scatter": lambda: _enum(enumerate_scatter),
+    "random_bits": lambda: _enum(enumerate_outputs),
+    "opaque": lambda: _enum(enumerate_opaque),
+    "window": lambda: _follow(follow_window, first_operand),
+    # `cond`, PRNG key plumbing (tiny values) and autopar's own pipeline cut marker (no
+    # operands, no results): replicated on purpose, no warning.
+    "replicated": lambda: _enum(lambda info, mesh: [replicated_strategy(info, mesh)]),
 }
 
-# Primitives whose outputs are computed from their parameters alone; with only fixed
-# operands, so are the outputs of any deterministic primitive.
-SOURCES = frozenset({"iota", "broadcast_in_dim", "random_seed", "random_wrap",
-                     "random_unwrap", "random_fold_in", "random_split", "threefry2x32"})
+strategy_rules: dict[str, StrategyRule] = {
+    name: _FAMILIES[primitives.info(name).strategy]()
+    for name in primitives.spellings(lambda p: p.strategy is not None)}
+
 
 def rule_for(name: str, where: str = "") -> StrategyRule | None:
     """The rule of primitive `name`, or None: the equation (at the user's source line

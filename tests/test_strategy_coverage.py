@@ -34,6 +34,7 @@ from autopar import models as zoo
 from autopar.cost_model import ClusterSpec, hlo_audit
 from autopar.emit import to_pspec
 from autopar.graph import Graph
+from autopar.passes import primitives
 from autopar.passes import strategies as st
 from autopar.passes.sharding_spec import MeshContext, enumerate_specs
 
@@ -55,7 +56,7 @@ def _uncovered(step, *args) -> set[str]:
         closed = jax.make_jaxpr(step)(*args)
     graph = Graph.from_jaxpr(inline.run(closed))
     return {e.name for e in graph.eqns
-            if e.name not in st.strategy_rules and e.name not in st.SOURCES}
+            if e.name not in st.strategy_rules and not primitives.info(e.name).source}
 
 
 @pytest.mark.parametrize("optimizer", sorted(zoo.OPTIMIZERS))
