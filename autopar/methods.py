@@ -176,7 +176,11 @@ class ShardParallel:
 
     Attributes:
       mesh_shape: logical mesh, e.g. (2, 4); None tries (n,) and every 2-D factorization
-        of the device count and keeps the cheapest.
+        of the device count and keeps the cheapest.  A fixed 2-D mesh is also solved as
+        (n,) over the same devices in the same order (`autopar.flat_view`: a split over
+        that one axis is a split over both axes of the 2-D mesh), and the cheaper plan is
+        kept: the plan's ``mesh_shape`` then reads (n,) and ``plan.solver["flat_view"]``
+        says so.  Not with `batch_axis` set.
       memory_budget_bytes: per-device peak of the compiled step the plan must fit, bytes
         (``memory_analysis()``: argument + output - alias + temp, with donation; see
         `Method`); None: the device memory.

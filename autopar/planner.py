@@ -29,6 +29,7 @@ from autopar.graph import Graph, Lit
 from autopar.passes import intra_op, primitives
 from autopar.passes.sharding_spec import MeshContext, Spec, replicated, state_split
 
+from . import flat_view
 from .methods import Method, Role
 from .microbatch import reduced_once
 from .plan import Plan, PredictedCost
@@ -116,9 +117,12 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
     micro = method.num_micro_batches
     comm_scale = ({k: 1.0 / micro for k in reduced_once(graph)}
                   if isinstance(micro, int) and micro > 1 else None)
-    pool = SolvePool(None if len(shapes) > 1 else 0)
-    submit = WatchedSubmit(pool.submit)
     batch_axis_of = getattr(method, "batch_mesh_axis", None)
+    # A fixed 2-D mesh is also solved as one axis (flat_view): plans that split every
+    # value over all devices are found directly there, not through re-layouts.
+    flat = flat_view.flat_shape(shapes[0]) if len(shapes) == 1 else None
+    pool = SolvePool(None if len(shapes) > 1 or flat else 0)
+    submit = WatchedSubmit(pool.submit)
     batch_led = batch_dims(program, micro) if batch_axis_of is not None else {}
     penalties: dict[tuple[int, ...], dict[int, Callable[[Spec], float]]] = {}
     try:
@@ -142,6 +146,20 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
                 batch_size=program.batch_size, solver=method.solver,
                 time_limit_s=method.time_limit_s, comm_scale=comm_scale,
                 value_costs=penalties[shape], submit=submit)))
+        flat_run = None
+        native_mesh, native_forced, _ = started[0] if started else (None, None, None)
+        # With a batch axis the plan must keep the batch on that axis alone: no flat view.
+        if flat is not None and (batch_axis_of is None or batch_axis_of(native_mesh) is None):
+            flat_mesh = MeshContext.build(flat, cluster)
+            flat_forced = {graph.invars[pos]: spec for pos, spec in method.forced_specs(
+                program.in_shapes, program.roles, flat_mesh).items()}
+            if flat_view.lifts_to(flat_forced, native_forced, native_mesh):
+                if progress:
+                    progress(f"mesh ILP: logical mesh {native_mesh.shape} as one axis {flat}")
+                flat_run = intra_op.start(
+                    graph, flat_mesh, forced=flat_forced, ties=ties, memory_budget_bytes=budget,
+                    batch_size=program.batch_size, solver=method.solver,
+                    time_limit_s=method.time_limit_s, comm_scale=comm_scale, submit=submit)
         for mesh, forced, run in started:
             try:
                 results.append(answer(run, f"the mesh ILP on logical mesh {mesh.shape}"))
@@ -167,6 +185,11 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
                 best = min(results, key=lambda r: r.cost_s)
                 progress(f"mesh ILP {mesh.shape} solved: {results[-1].cost_s * 1e3:.3f} ms "
                          f"(best {best.cost_s * 1e3:.3f} ms on {best.mesh.shape})")
+        if flat_run is not None:
+            try:
+                results.append(answer(flat_run, f"the mesh ILP on logical mesh {flat}"))
+            except intra_op.MemoryBudgetError as err:
+                errors.append(err)
     except BaseException:
         pool.close(cancel=True)
         raise
@@ -192,6 +215,9 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
     stats = dict(best.stats)
     stats["search_s"] = time.perf_counter() - t0
     stats["phases_s"] = {"mesh ILPs": stats["search_s"]}
+    if flat_run is not None:
+        stats["flat_view"] = (f"logical mesh {shapes[0]} also solved as {flat} over the same "
+                              f"devices; kept {best.mesh.shape}")
     if mirrors:
         stats["mirror_meshes"] = {str(a): str(b) for a, b in mirrors.items()}
     if batch_axis_of is not None and batch_axis_of(best.mesh) is not None:
@@ -211,7 +237,7 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
                                 graph.total_flops()),
         solver=stats,
         candidates=_with_mirrors([(r.mesh.shape, r.cost_s) for r in results], mirrors,
-                                 shapes),
+                                 [*shapes, flat] if flat_run is not None else shapes),
         operand_specs=best.operand_specs,
         num_micro_batches=micro if isinstance(micro, int) else 1,
     )

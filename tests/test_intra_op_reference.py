@@ -92,3 +92,27 @@ def test_gathers_over_several_axes_cost_one_all_gather(cluster):
     assert reshard_s(((a, b), ()), ((), ()), nbytes, mesh) == pytest.approx(0.75 * nbytes)
     assert reshard_s(((a,), (b,)), ((), ()), nbytes, mesh) == pytest.approx(0.75 * nbytes)
     assert reshard_s(((a, b), ()), ((a,), ()), nbytes, mesh) == pytest.approx(0.25 * nbytes)
+
+
+def test_fixed_2d_mesh_keeps_the_flat_plan_when_cheaper(cluster):
+    # Channel parallelism over all 4 devices moves a split from one dim to another with an
+    # all-to-all; on the 2x2 mesh that move runs as a 4x larger all-gather.  With the (4,)
+    # view of the same devices solved too, the 2x2 request gets the 1-D plan's program.
+    row = _run("conv-mp", "2x2", cluster)
+    assert row["autopar"]["counts"].get("all-to-all", 0) >= 1
+    assert row["ratio"] <= GOAL
+    assert row["autopar"]["predicted_comm_s"] <= 1.5 * row["autopar"]["comm_bytes_s"]
+
+
+def test_flat_view_specs_and_when_it_applies():
+    from autopar import flat_view
+    from autopar.cost_model import ClusterSpec
+    from autopar.passes.sharding_spec import MeshContext
+
+    assert flat_view.flat_shape((2, 4)) == (8,)
+    assert flat_view.flat_shape((1, 8)) is None and flat_view.flat_shape((8,)) is None
+    mesh = MeshContext.build((2, 2), ClusterSpec.preset("cpu-local"))
+    assert flat_view.lift_spec((("x",), ()), mesh) == (("x", "y"), ())
+    assert flat_view.lifts_to({3: (("x",), ())}, {3: (("x", "y"), ())}, mesh)
+    assert not flat_view.lifts_to({3: (("x",), ())}, {3: (("x",), ())}, mesh)
+    assert not flat_view.lifts_to({3: (("x",), ())}, {4: (("x", "y"), ())}, mesh)
