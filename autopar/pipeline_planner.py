@@ -104,6 +104,11 @@ class _Priced:
     # (position in `input_specs`, bytes per device at that layout).  The runtime keeps such
     # a value once, as its producer laid it out (`stage_memory_bytes`).
     input_residuals: tuple[tuple[int, float], ...] = ()
+    # Whether the layouts carry a penalty (`LEAN_PENALTY_S`: a lean solve's parameter not
+    # cut finely; `BATCH_AXIS_PENALTY_S`: a batch dim off a fixed stage's data-parallel
+    # axis), read off the layouts, not the cost: a step may take longer than the penalty
+    # (any layer on a communication-only cluster at 1 s/byte).
+    penalized: bool = False
     # `_memoized`'s store (parameter bytes, update seconds, memory terms): the stage search
     # asks for the same layer's terms once per layer range holding it (thousands of times
     # on GPT-39B).
@@ -253,15 +258,22 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
                  if forced_batch_axis and batch_size else {})
     pending = []
     charges: dict[tuple[int, ...], dict[int, Callable[[Spec], float]]] = {}
+    penalties: dict[tuple[int, ...], list[tuple[int, Callable[[Spec], bool]]]] = {}
     for shape in shapes or logical_shapes(submesh):
         mesh = MeshContext.build(shape, sub)
         updates = {fv: _param_cost(update, lean, value.shape, value.nbytes, mesh,
                                    num_micro_batches, memory_price)
                    for fv, value in param_inputs}
+        penalties[shape] = [(fv, functools.partial(_coarser, mesh=mesh,
+                                                   finest=_finest_shards(value.shape, mesh)))
+                            for fv, value in param_inputs] if lean else []
         if batch_led:
             # The data-parallel axis is the only one the batch is split over, so a (dp,
             # tp) stage is tensor-parallel over tp, not data-parallel over dp x tp.
-            updates = _summed(updates, batch_axis_only(batch_led, mesh.axes[0]))
+            held = batch_axis_only(batch_led, mesh.axes[0])
+            updates = _summed(updates, held)
+            penalties[shape] += [(v, lambda spec, fn=fn: fn(spec) > 0)
+                                 for v, fn in held.items()]
         if neighbours:
             charges[shape] = _neighbour_costs(layer, position, graph, neighbours, mesh)
             updates = _summed(updates, charges[shape])
@@ -288,10 +300,12 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
         the second)."""
         charge = memory_price * _held_bytes(p, program, params, graph, update) \
             if memory_price else 0.0
+        vs = dict(p.value_specs)
         if p.mesh.shape in charges:
-            vs = dict(p.value_specs)
             charge += sum(fn(vs[v]) for v, fn in charges[p.mesh.shape].items() if v in vs)
-        return dataclasses.replace(p, cost_s=p.cost_s - charge) if charge else p
+        penalized = any(v in vs and hit(vs[v]) for v, hit in penalties[p.mesh.shape])
+        return dataclasses.replace(p, cost_s=p.cost_s - charge, penalized=penalized) \
+            if charge or penalized else p
 
     return lambda: {shape: uncharged(_priced(
         graph, program, layer, position, per_micro_inputs, mesh,
@@ -399,6 +413,16 @@ def knee_price(pairs: Sequence[tuple[float, float, float, float]]) -> float | No
     return rates[len(rates) // 2] if rates else None
 
 
+def _finest_shards(shape: tuple[int, ...], mesh: MeshContext) -> int:
+    """The most pieces an even split of a value of `shape` on `mesh` cuts it into (what a
+    lean solve's parameters must reach)."""
+    return max(mesh.shards(s) for s in enumerate_specs(shape, mesh))
+
+
+def _coarser(spec: Spec, mesh: MeshContext, finest: int) -> bool:
+    return mesh.shards(spec) < finest
+
+
 def _param_cost(update: StateSplit | None, lean: bool, shape: tuple[int, ...], nbytes: float,
                 mesh: MeshContext, num_micro_batches: int, memory_price: float = 0.0
                 ) -> Callable[[Spec], float]:
@@ -406,7 +430,7 @@ def _param_cost(update: StateSplit | None, lean: bool, shape: tuple[int, ...], n
     micro-batches (`update`), with `lean` the penalty on a spec with fewer shards than
     the finest even split of `shape` on `mesh`, and `memory_price` (s/byte) times the
     bytes per device the spec keeps of the parameter, its gradient and optimizer state."""
-    finest = max(mesh.shards(s) for s in enumerate_specs(shape, mesh)) if lean else 0
+    finest = _finest_shards(shape, mesh) if lean else 0
 
     def cost(spec: Spec) -> float:
         seconds = 0.0 if update is None else (
@@ -741,7 +765,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             # A lean solve that cannot cut every parameter finely carries the penalty:
             # that logical shape has no lean option.
             layer_cache[key] = {shape: p for shape, p in started.pop(key)().items()
-                                if p.cost_s < LEAN_PENALTY_S}
+                                if not p.penalized}
             if progress and layer_cache[key]:
                 best = min(layer_cache[key].values(), key=lambda p: p.cost_s)
                 progress(f"layer ILP {len(layer_cache)} solved: layer {layer} on sub-mesh "
@@ -835,7 +859,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             solved = start_layer_ilps(first, traced, submesh, level, [shape],
                                       renamed)().get(shape)
             neighbour_solves[key] = solved if solved is not None and \
-                solved.cost_s < LEAN_PENALTY_S else None
+                not solved.penalized else None
         other = neighbour_solves[key]
         if other is None:
             return free

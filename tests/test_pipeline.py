@@ -232,3 +232,23 @@ def test_layer_reuse_key_holds_which_value_each_input_position_is():
     keys = [_program_key(graph, prog, set()) for prog in layers]
     assert keys[0] == keys[2]
     assert keys[1] != keys[0]
+
+
+def test_a_fixed_3d_plan_on_a_communication_only_cluster():
+    """Layer solves that cost more than the penalty seconds are not penalized ones: on a
+    cluster priced on communication only (free compute, 10 s per byte) every layer costs over
+    1e4 s, and the pipeline planner, which told a penalized solve by its cost, dropped them
+    all ("min() arg is an empty sequence")."""
+    import dataclasses
+
+    from autopar.cost_model import ClusterSpec, Link
+
+    case = make_case("mlp", "sgd")
+    comm = dataclasses.replace(ClusterSpec.preset("cpu-local"), name="comm-only",
+                               intra_host=Link(0.0, 10.0), inter_host=Link(0.0, 10.0),
+                               peak_flops={"float32": 1e30}, memory_bandwidth_bytes_per_s=1e30)
+    method = autopar.Manual3DParallel(dp=2, tp=2, pp=2, num_micro_batches=2, **FAST)
+    step = autopar.parallelize(case.step, method=method, cluster=comm)
+    plan = step.get_plan(*case.init())
+    assert len(plan.stages) == 2 and plan.predicted.step_s > 1e4
+    assert_same_micro_batched_run(case, step, 2, **TOL)
