@@ -516,11 +516,12 @@ def dedupe(rows: Sequence[dict]) -> list[dict]:
 
 
 def _copies_s(plan) -> list[float]:
-    """Per stage, the seconds per micro-batch of its transfers that no compiled program
-    holds: the copies of the activations it receives and of the cotangents it sends back
-    (the re-layouts before and after a copy run inside the stages' forward and backward
-    programs, which the audit prices already).  Plans without transfer records: the
-    stages' whole `transfer_s`."""
+    """Per stage, the seconds per micro-batch of its transfers that no audited program
+    holds: the copies of the activations it receives and of the cotangents it sends back,
+    and its all-gathers of the values that reach it in their wire layout (a program of its
+    own, `transfer.wire_sharding`); the re-layouts before a copy run inside the stages'
+    forward and backward programs, which the audit prices already.  Plans without transfer
+    records: the stages' whole `transfer_s`."""
     records = plan.solver.get("transfers") if isinstance(plan.solver, dict) else None
     if not records:
         return [st.transfer_s for st in plan.stages]
@@ -530,6 +531,9 @@ def _copies_s(plan) -> list[float]:
             out[r["to_stage"]] += r["copy_s"]
         elif r["what"] == "cotangent":
             out[r["from_stage"]] += r["copy_s"]
+        else:
+            continue
+        out[r["to_stage"]] += r.get("gather_s", 0.0)   # runs where the value arrives
     return out
 
 

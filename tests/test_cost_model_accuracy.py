@@ -138,3 +138,18 @@ def test_quick_run_writes_a_computed_summary_under_both_schedulers(tmp_path):
     assert f"distinct plans measured: {s['distinct_plans']} of {s['cases']} cases" in md
     assert "load average" in md
     assert (tmp_path / "cost_model_accuracy.png").stat().st_size > 0
+
+
+def test_unaudited_transfer_seconds_include_the_receivers_gather():
+    from types import SimpleNamespace
+
+    from benchmarks.cost_model_accuracy import _copies_s
+
+    plan = SimpleNamespace(stages=[None, None], solver={"transfers": [
+        {"what": "activation", "from_stage": 0, "to_stage": 1, "copy_s": 2.0, "gather_s": 0.5},
+        {"what": "cotangent", "from_stage": 1, "to_stage": 0, "copy_s": 1.0, "gather_s": 0.25},
+        {"what": "cotangent", "from_stage": 1, "to_stage": 0, "copy_s": 4.0},  # older record
+    ]})
+    # Copies on the stage that receives the activation (and sends its cotangent back),
+    # gathers where the value arrives.
+    assert _copies_s(plan) == [0.25, 7.5]
