@@ -54,7 +54,7 @@ from .grad_accum import Deferral, defers, passes_sums, unreduced_spec
 from .layer import LayerProgram, differentiable_values
 from .methods import PipelineMethod
 from .plan import LayerPlan, Plan, PredictedCost, StagePlan
-from .planner import WatchedSubmit, answer, batch_axis_only, batch_carried_dims
+from .planner import WatchedSubmit, answer, batch_axis_only, batch_carried_dims, carries_penalty
 from .solve_pool import SolvePool
 
 # Layer costs only rank stage layouts: a short solver limit per layer solve (the solver then
@@ -258,22 +258,21 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
                  if forced_batch_axis and batch_size else {})
     pending = []
     charges: dict[tuple[int, ...], dict[int, Callable[[Spec], float]]] = {}
-    penalties: dict[tuple[int, ...], list[tuple[int, Callable[[Spec], bool]]]] = {}
+    penalties: dict[tuple[int, ...], list[tuple[int, Callable[[Spec], float]]]] = {}
     for shape in shapes or logical_shapes(submesh):
         mesh = MeshContext.build(shape, sub)
-        updates = {fv: _param_cost(update, lean, value.shape, value.nbytes, mesh,
+        lean_costs = {fv: _lean_penalty(value.shape, mesh)
+                      for fv, value in param_inputs} if lean else {}
+        updates = {fv: _param_cost(update, lean_costs.get(fv), value.shape, value.nbytes, mesh,
                                    num_micro_batches, memory_price)
                    for fv, value in param_inputs}
-        penalties[shape] = [(fv, functools.partial(_coarser, mesh=mesh,
-                                                   finest=_finest_shards(value.shape, mesh)))
-                            for fv, value in param_inputs] if lean else []
+        penalties[shape] = list(lean_costs.items())
         if batch_led:
             # The data-parallel axis is the only one the batch is split over, so a (dp,
             # tp) stage is tensor-parallel over tp, not data-parallel over dp x tp.
             held = batch_axis_only(batch_led, mesh.axes[0])
             updates = _summed(updates, held)
-            penalties[shape] += [(v, lambda spec, fn=fn: fn(spec) > 0)
-                                 for v, fn in held.items()]
+            penalties[shape] += held.items()
         if neighbours:
             charges[shape] = _neighbour_costs(layer, position, graph, neighbours, mesh)
             updates = _summed(updates, charges[shape])
@@ -303,7 +302,7 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
         vs = dict(p.value_specs)
         if p.mesh.shape in charges:
             charge += sum(fn(vs[v]) for v, fn in charges[p.mesh.shape].items() if v in vs)
-        penalized = any(v in vs and hit(vs[v]) for v, hit in penalties[p.mesh.shape])
+        penalized = carries_penalty(vs, penalties[p.mesh.shape])
         return dataclasses.replace(p, cost_s=p.cost_s - charge, penalized=penalized) \
             if charge or penalized else p
 
@@ -419,24 +418,26 @@ def _finest_shards(shape: tuple[int, ...], mesh: MeshContext) -> int:
     return max(mesh.shards(s) for s in enumerate_specs(shape, mesh))
 
 
-def _coarser(spec: Spec, mesh: MeshContext, finest: int) -> bool:
-    return mesh.shards(spec) < finest
+def _lean_penalty(shape: tuple[int, ...], mesh: MeshContext) -> Callable[[Spec], float]:
+    """`LEAN_PENALTY_S` seconds on a spec with fewer shards than the finest even split of a
+    value of `shape` on `mesh` (`_finest_shards`), 0 on the others."""
+    finest = _finest_shards(shape, mesh)
+    return lambda spec: LEAN_PENALTY_S if mesh.shards(spec) < finest else 0.0
 
 
-def _param_cost(update: StateSplit | None, lean: bool, shape: tuple[int, ...], nbytes: float,
-                mesh: MeshContext, num_micro_batches: int, memory_price: float = 0.0
+def _param_cost(update: StateSplit | None, lean: Callable[[Spec], float] | None,
+                shape: tuple[int, ...], nbytes: float, mesh: MeshContext,
+                num_micro_batches: int, memory_price: float = 0.0
                 ) -> Callable[[Spec], float]:
     """A parameter input's extra seconds per spec: its update amortized over the
-    micro-batches (`update`), with `lean` the penalty on a spec with fewer shards than
-    the finest even split of `shape` on `mesh`, and `memory_price` (s/byte) times the
-    bytes per device the spec keeps of the parameter, its gradient and optimizer state."""
-    finest = _finest_shards(shape, mesh) if lean else 0
-
+    micro-batches (`update`), the lean penalty `lean` (`_lean_penalty` of `shape` on
+    `mesh`) if given, and `memory_price` (s/byte) times the bytes per device the spec
+    keeps of the parameter, its gradient and optimizer state."""
     def cost(spec: Spec) -> float:
         seconds = 0.0 if update is None else (
             update.cost_s(spec, shape, nbytes, mesh) / num_micro_batches)
-        if lean and mesh.shards(spec) < finest:
-            seconds += LEAN_PENALTY_S
+        if lean is not None:
+            seconds += lean(spec)
         if memory_price:
             seconds += _memory_charge_s(memory_price, update, nbytes, mesh.shards(spec))
         return seconds

@@ -19,7 +19,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 
 import jax
@@ -121,7 +121,9 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
     # A fixed 2-D mesh is also solved as one axis (flat_view): plans that split every
     # value over all devices are found directly there, not through re-layouts.
     flat = flat_view.flat_shape(shapes[0]) if len(shapes) == 1 else None
-    pool = SolvePool(None if len(shapes) > 1 or flat else 0)
+    flat_start = (_flat_start(program, method, cluster, shapes[0], flat)
+                  if flat is not None else None)
+    pool = SolvePool(None if len(shapes) > 1 or flat_start is not None else 0)
     submit = WatchedSubmit(pool.submit)
     batch_led = batch_dims(program, micro) if batch_axis_of is not None else {}
     penalties: dict[tuple[int, ...], dict[int, Callable[[Spec], float]]] = {}
@@ -147,19 +149,14 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
                 time_limit_s=method.time_limit_s, comm_scale=comm_scale,
                 value_costs=penalties[shape], submit=submit)))
         flat_run = None
-        native_mesh, native_forced, _ = started[0] if started else (None, None, None)
-        # With a batch axis the plan must keep the batch on that axis alone: no flat view.
-        if flat is not None and (batch_axis_of is None or batch_axis_of(native_mesh) is None):
-            flat_mesh = MeshContext.build(flat, cluster)
-            flat_forced = {graph.invars[pos]: spec for pos, spec in method.forced_specs(
-                program.in_shapes, program.roles, flat_mesh).items()}
-            if flat_view.lifts_to(flat_forced, native_forced, native_mesh):
-                if progress:
-                    progress(f"mesh ILP: logical mesh {native_mesh.shape} as one axis {flat}")
-                flat_run = intra_op.start(
-                    graph, flat_mesh, forced=flat_forced, ties=ties, memory_budget_bytes=budget,
-                    batch_size=program.batch_size, solver=method.solver,
-                    time_limit_s=method.time_limit_s, comm_scale=comm_scale, submit=submit)
+        if flat_start is not None:
+            flat_mesh, flat_forced = flat_start
+            if progress:
+                progress(f"mesh ILP: logical mesh {shapes[0]} as one axis {flat}")
+            flat_run = intra_op.start(
+                graph, flat_mesh, forced=flat_forced, ties=ties, memory_budget_bytes=budget,
+                batch_size=program.batch_size, solver=method.solver,
+                time_limit_s=method.time_limit_s, comm_scale=comm_scale, submit=submit)
         for mesh, forced, run in started:
             try:
                 results.append(answer(run, f"the mesh ILP on logical mesh {mesh.shape}"))
@@ -197,13 +194,8 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
     if not results:
         raise min(errors, key=lambda e: e.smallest_bytes)
     if any(penalties.values()):
-        # A layout the penalty could not keep off (read off the layouts, not the cost: a
-        # step can take longer than the penalty, e.g. on a communication-only cluster).
-        def breaks(r: intra_op.IntraOpResult) -> bool:
-            return any(cost(r.value_specs[v]) > 0
-                       for v, cost in penalties[r.mesh.shape].items() if v in r.value_specs)
-
-        kept = [r for r in results if not breaks(r)]
+        kept = [r for r in results
+                if not carries_penalty(r.value_specs, penalties[r.mesh.shape].items())]
         if not kept:
             raise ValueError(f"batch_axis: the solver found no layout on the logical meshes "
                              f"{[r.mesh.shape for r in results]} that keeps every batch dim "
@@ -241,6 +233,26 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
         operand_specs=best.operand_specs,
         num_micro_batches=micro if isinstance(micro, int) else 1,
     )
+
+
+def _flat_start(program: Program, method: Method, cluster: ClusterSpec,
+                shape: tuple[int, ...], flat: tuple[int]
+                ) -> tuple[MeshContext, dict[int, Spec]] | None:
+    """(the 1-D mesh `flat`, its forced specs by value id) where the flat view of the fixed
+    2-D logical mesh `shape` applies: no batch axis on `shape` (the plan must keep the batch
+    on that axis alone) and the same input contract on both meshes (`flat_view.lifts_to`);
+    None otherwise."""
+    graph = program.graph
+    mesh = MeshContext.build(shape, cluster)
+    batch_axis_of = getattr(method, "batch_mesh_axis", None)
+    if batch_axis_of is not None and batch_axis_of(mesh) is not None:
+        return None
+    forced = {graph.invars[pos]: spec for pos, spec in method.forced_specs(
+        program.in_shapes, program.roles, mesh).items()}
+    flat_mesh = MeshContext.build(flat, cluster)
+    flat_forced = {graph.invars[pos]: spec for pos, spec in method.forced_specs(
+        program.in_shapes, program.roles, flat_mesh).items()}
+    return (flat_mesh, flat_forced) if flat_view.lifts_to(flat_forced, forced, mesh) else None
 
 
 #: Seconds added to a layout that splits a batch dim over a mesh axis other than the
@@ -293,6 +305,15 @@ def batch_axis_only(batch_led: dict[int, tuple[int, ...]], axis: str
         return BATCH_AXIS_PENALTY_S if off else 0.0
 
     return {vid: functools.partial(cost, dims=dims) for vid, dims in batch_led.items()}
+
+
+def carries_penalty(value_specs: Mapping[int, Spec],
+                    penalties: Iterable[tuple[int, Callable[[Spec], float]]]) -> bool:
+    """Whether a solution's layouts `value_specs` (value id → spec) carry a penalty: a
+    positive cost of `penalties` ((value id, seconds per spec) pairs, e.g.
+    `batch_axis_only`'s) on a value it lays out.  Read off the layouts, not the solution's
+    cost: a step can take longer than any penalty (e.g. on a communication-only cluster)."""
+    return any(cost(value_specs[v]) > 0 for v, cost in penalties if v in value_specs)
 
 
 def lean_forced(forced: dict[int, Spec], program: Program, mesh: MeshContext

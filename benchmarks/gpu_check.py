@@ -42,7 +42,6 @@ import argparse
 import pathlib
 import platform
 import re
-import statistics
 import time
 import traceback
 from collections.abc import Iterator
@@ -58,7 +57,7 @@ from autopar.cost_model.jsonio import write_json_atomic
 from autopar.cost_model.profiler import _median_time, profile
 from autopar.models import registry
 from benchmarks.stamp import stamp, stamp_markdown
-from benchmarks.toy import _copy
+from benchmarks.toy import _copy, time_interleaved
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DEFAULT_MODELS = "gpt-125m:8,gpt-350m:8,moe-380m:8,wrn-250m:32"
@@ -178,9 +177,7 @@ def model_row(name: str, batch: int, device, preset: ClusterSpec, measured: Clus
     row["loss_jit"], row["loss_autopar"] = losses["jit"], losses["autopar"]
     row["loss_rel_diff"] = (abs(losses["autopar"] - losses["jit"])
                             / max(abs(losses["jit"]), 1e-30))
-    for label, run in programs.items():   # second warm-up step
-        states[label], _ = run(states[label], data)
-    medians = _timed_medians(programs, states, data, steps)
+    medians = time_interleaved(programs, states, data, steps, warmup=1)   # 2nd warm-up
     jit_s, par_s = medians["jit"], medians["autopar"]
     offline = autopar.plan(step, abstract_state, abstract_batch, cluster=measured)
     stats = device.memory_stats() or {}
@@ -199,20 +196,6 @@ def model_row(name: str, batch: int, device, preset: ClusterSpec, measured: Clus
         "search_s": plan.solver.get("search_s"),
     })
     return row
-
-
-def _timed_medians(programs: dict[str, Any], states: dict[str, Any], data: Any,
-                   steps: int) -> dict[str, float]:
-    """Median seconds per step of each program, steps taken in turns (one after the other
-    per round, so load from other processes lands on all alike); `states` is updated."""
-    times: dict[str, list[float]] = {label: [] for label in programs}
-    for _ in range(steps):
-        for label, run in programs.items():
-            start = time.perf_counter()
-            states[label], out = run(states[label], data)
-            jax.block_until_ready((states[label], out))
-            times[label].append(time.perf_counter() - start)
-    return {label: statistics.median(t) for label, t in times.items()}
 
 
 # --- 3. micro-batch series ----------------------------------------------------------------------
@@ -245,8 +228,8 @@ def series_rows(name: str, batch: int, counts: list[int], device, preset: Cluste
             states = {"autopar": _copy(state)}
             states["autopar"], out = par(states["autopar"], data)
             loss = float(out["loss"])
-            states["autopar"], _ = par(states["autopar"], data)   # second warm-up
-            measured_s = _timed_medians(programs, states, data, steps)["autopar"]
+            measured_s = time_interleaved(programs, states, data, steps,
+                                          warmup=1)["autopar"]   # 2nd warm-up
             del states
             row.update({"step_s": measured_s, "predicted_step_s_preset": plan.predicted.step_s,
                         "predicted_step_s_profiled": profiled.predicted.step_s,

@@ -31,7 +31,6 @@ import os
 import pathlib
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 from benchmarks.stamp import stamp, stamp_markdown
@@ -87,36 +86,6 @@ def _gpt_case():
     return loss_only, state, batch
 
 
-def _time_interleaved(steps_by_label: dict[str, Callable], state, batch,
-                      steps: int) -> dict[str, float]:
-    """Median seconds per step of each step function, their steps taken in turn (one of
-    each, `steps` times, after two warm-up steps each): a slow spell of the shared machine
-    then lands on every row alike."""
-    import jax
-
-    states = {}
-    for label, step in steps_by_label.items():
-        s = _copy(state)
-        for _ in range(2):
-            s, loss = step(s, batch)
-        states[label] = jax.block_until_ready(s)
-    times: dict[str, list[float]] = {label: [] for label in steps_by_label}
-    for _ in range(steps):
-        for label, step in steps_by_label.items():
-            t0 = time.perf_counter()
-            states[label], loss = step(states[label], batch)
-            jax.block_until_ready((states[label], loss))
-            times[label].append(time.perf_counter() - t0)
-    return {label: statistics.median(ts) for label, ts in times.items()}
-
-
-def _copy(tree):
-    import jax
-    import jax.numpy as jnp
-
-    return jax.tree.map(jnp.array, tree)
-
-
 METHOD_LABELS = ("ShardParallel(4 µb)", "PipeshardParallel(4 µb, 1 stage)",
                  "PipeshardParallel(4 µb, 2 stages)")
 BASE = METHOD_LABELS[0]
@@ -146,6 +115,7 @@ def measure_model(name: str, family: str, step: Callable, state, batch,
     ShardParallel's, and the same ratio of the plans' predicted step times.  A method
     that cannot plan the model (too few layers for 2 stages) gets a row with `skip`."""
     import autopar
+    from benchmarks.toy import _copy, time_interleaved
 
     pars, predicted, skipped = {}, {}, {}
     for label, method in _methods().items():
@@ -156,7 +126,8 @@ def measure_model(name: str, family: str, step: Callable, state, batch,
             skipped[label] = str(err).splitlines()[0][:200]
             continue
         pars[label] = par
-    times = _time_interleaved(pars, state, batch, steps)
+    states = {label: _copy(state) for label in pars}
+    times = time_interleaved(pars, states, batch, steps, warmup=2)
     rows = []
     for label in METHOD_LABELS:
         row = {"model": name, "family": family, "step": label}
@@ -229,6 +200,7 @@ def single_device_rows(steps: int) -> list[dict]:
     import jax
 
     import autopar
+    from benchmarks.toy import _copy, time_interleaved
 
     one = jax.devices()[:1]
     # (case, steps measured): a ~100 µs step is measured 20x as often (a 50 µs hiccup of
@@ -242,7 +214,9 @@ def single_device_rows(steps: int) -> list[dict]:
             jitted = jax.jit(step, donate_argnums=0)
             par = autopar.parallelize(step, devices=one)
             # One step of each in turn: a slow spell of the machine lands on both alike.
-            times = _time_interleaved({"jit": jitted, "par": par}, state, batch, count)
+            times = time_interleaved({"jit": jitted, "par": par},
+                                     {"jit": _copy(state), "par": _copy(state)}, batch, count,
+                                     warmup=2)
         jit_s, par_s = times["jit"], times["par"]
         print(f"{name}: jit {jit_s * 1e6:.1f} µs, ShardParallel {par_s * 1e6:.1f} µs",
               file=sys.stderr, flush=True)

@@ -66,9 +66,11 @@ is False with the reasons when any part fails.
 from __future__ import annotations
 
 import pathlib
+import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -182,6 +184,26 @@ def _audit(step, plan, state, batch) -> dict:
 
 def _copy(tree):
     return jax.tree.map(lambda x: x.copy(), tree)
+
+
+def time_interleaved(programs: dict[str, Callable], states: dict[str, Any], data: Any,
+                     steps: int, warmup: int = 0) -> dict[str, float]:
+    """Median seconds per step of each program (label -> `step(state, data) -> (state,
+    out)`), after `warmup` steps of each: their `steps` steps taken in turns (one of each
+    per round), so that a slow spell of a shared machine lands on every program alike.
+    `states` (label -> that program's state) is updated in place."""
+    for label, run in programs.items():
+        for _ in range(warmup):
+            states[label], _ = run(states[label], data)
+        states[label] = jax.block_until_ready(states[label])
+    times: dict[str, list[float]] = {label: [] for label in programs}
+    for _ in range(steps):
+        for label, run in programs.items():
+            start = time.perf_counter()
+            states[label], out = run(states[label], data)
+            jax.block_until_ready((states[label], out))
+            times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def leaf_name(path) -> str:
