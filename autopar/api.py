@@ -358,8 +358,10 @@ class ParallelizedFunction:
         step, the other micro-batches' residuals in flight and the optimizer state of its
         apply segments) must fit `memory_budget_bytes`.  Over it, the search runs again
         under a cap tightened by the overshoot (the memory model's error on this program),
-        at most `_BUDGET_ROUNDS` times; `MemoryBudgetError` if no searched plan compiles
-        within the budget.  The compiled peaks go into `plan.solver["compiled_memory"]`."""
+        or, when the model sees no plan under that cap, under the smallest peak it does
+        see (if below the plan that compiled over), at most `_BUDGET_ROUNDS` times;
+        `MemoryBudgetError` if no searched plan compiles within the budget.  The compiled
+        peaks go into `plan.solver["compiled_memory"]`."""
         budget = float(self.method.memory_budget_bytes)
         cap, peaks = budget, []
         for _ in range(_BUDGET_ROUNDS):
@@ -373,11 +375,19 @@ class ParallelizedFunction:
             if self.progress:
                 self.progress(f"compiled peak {format_bytes(peak)} is over the budget "
                               f"{format_bytes(budget)}: searching under {format_bytes(cap)}")
-            method = dataclasses.replace(self.method, memory_budget_bytes=cap)
             try:
-                plan = self._search_cached(method, out._trace, out.split, fp, cluster,
-                                           device_ids)
-            except (MemoryBudgetError, inter_op.NoStageLayoutError):
+                plan = self._search_under(cap, out, fp, cluster, device_ids)
+            except MemoryBudgetError as e:
+                # No plan is predicted under the tightened cap: take the smallest the model
+                # sees, if it is smaller than the plan that compiled over the budget.
+                cap = e.smallest_bytes * (1 + 1e-9)
+                if cap >= out.plan.predicted.memory_bytes:
+                    break
+                try:
+                    plan = self._search_under(cap, out, fp, cluster, device_ids)
+                except (MemoryBudgetError, inter_op.NoStageLayoutError):
+                    break
+            except inter_op.NoStageLayoutError:
                 break
             if (plan.value_specs == out.plan.value_specs and plan.in_specs == out.plan.in_specs
                     and plan.stages == out.plan.stages):
@@ -385,6 +395,12 @@ class ParallelizedFunction:
             out = dataclasses.replace(out, plan=plan, _executable=None, _layouts={},
                                       _built_fallbacks=[])
         raise MemoryBudgetError(budget, min(peaks), tuple(out.plan.mesh_shape))
+
+    def _search_under(self, cap: float, out: Traced, fp: str, cluster: ClusterSpec,
+                      device_ids: list[int]) -> Plan:
+        """The plan of `out`'s program searched under a memory cap of `cap` bytes."""
+        method = dataclasses.replace(self.method, memory_budget_bytes=cap)
+        return self._search_cached(method, out._trace, out.split, fp, cluster, device_ids)
 
     def _trace_for(self, dynamic: list, static: tuple, positions: list[int], in_tree,
                    micro: int, pipelined: bool, cluster: ClusterSpec

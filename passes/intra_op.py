@@ -269,6 +269,14 @@ def _result(builder: _ProblemBuilder, solution: Solution, estimate: mem.MemoryEs
         want = req[choice[g]]
         if want is not None and k >= 0 and full_rematerialization(value_specs[vid], want):
             operand_specs.setdefault((eqn, k), want)
+    # A read that an equation broadcasts to more elements is pinned as well: XLA would
+    # otherwise compute the broadcast's consumers in the small operand's layout and move
+    # the large result instead (a [B,1,1,S] mask bias added to [B,h,S,S] scores).
+    for eqn, k, vid, g, req in builder.requirements:
+        want = req[choice[g]]
+        if want is not None and k >= 0 and want != value_specs[vid] \
+                and _broadcasts(graph, eqn, vid):
+            operand_specs.setdefault((eqn, k), want)
     operand_specs = tuple((e, k, sp) for (e, k), sp in sorted(operand_specs.items()))
     out_specs = []
     tied = dict(ties)
@@ -296,6 +304,12 @@ def _result(builder: _ProblemBuilder, solution: Solution, estimate: mem.MemoryEs
     return IntraOpResult(mesh, value_specs, tuple(out_specs), float(solution.cost), compute,
                          float(solution.cost) - compute, estimate.peak_bytes, solution, stats,
                          operand_specs, estimate)
+
+
+def _broadcasts(graph: Graph, eqn: int, vid: int) -> bool:
+    """Equation `eqn` writes more elements than it reads from value `vid`."""
+    e = graph.eqns[eqn]
+    return any(graph.values[o].size > graph.values[vid].size for o in e.outputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -855,11 +869,15 @@ class _ProblemBuilder:
             sliced = is_slice(have, want)
             if sliced and primitives.info(graph.eqns[eqn].name).reads_fused:
                 continue  # the slice is fused into the reader, which reads the whole value
-            # A move is routed through the gathered layout (`gather_first`): the larger copy.
-            shards = self.mesh.shards(want) if sliced else min(
-                self.mesh.shards(want), self.mesh.shards(gather_first(have, want)))
-            reshards.append(mem.Reshard(vid, want, graph.values[vid].nbytes / shards,
-                                        int(info.runs_at[eqn]), eqn=eqn, slice=sliced))
+            # A move XLA would do by replicating is routed through the gathered layout
+            # (`gather_first`): that copy for one step, then the target's until the last
+            # read.  One-axis moves are all-to-alls straight into the target.
+            nbytes = graph.values[vid].nbytes
+            gathered = nbytes / self.mesh.shards(gather_first(have, want)) \
+                if full_rematerialization(have, want) else 0.0
+            reshards.append(mem.Reshard(vid, want, nbytes / self.mesh.shards(want),
+                                        int(info.runs_at[eqn]), eqn=eqn, slice=sliced,
+                                        gathered=gathered))
         for out, inp in self.tie_pairs:
             want, have = spec_of.get(inp), spec_of.get(out)
             if want is None or have is None or want == have or is_slice(have, want):

@@ -308,7 +308,10 @@ class Reshard:
     copy lives from the value's production to its last sliced reader, and those readers no
     longer keep the value itself live.  `until`: the copy of an output into its tied input's
     layout is kept to the end of the step (XLA copies it into the donated buffer after the
-    step's last read of that buffer).
+    step's last read of that buffer).  `gathered`: bytes per device of a larger copy the
+    move passes through (the gathered layout of `gather_first`, which the partitioner
+    slices down to `target` at once): it exists for one step, at the first read of the
+    (value, target) copy, while the `nbytes` copy is what stays live until the last read.
     """
 
     value: int
@@ -318,6 +321,7 @@ class Reshard:
     eqn: int = -1
     slice: bool = False
     until: int | None = None
+    gathered: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,7 +366,8 @@ def estimate(graph: Graph, info: BufferInfo, value_bytes: Callable[[int], float]
         result of an all-reduce / reduce-scatter of that buffer).
       reshards: consumer-side copies (`Reshard`); copies of one (value, target) are shared.
       scatter_as_all_reduce: the backend lowers a reduce-scatter to an all-reduce and a
-        slice its readers fuse (XLA:CPU), so the value keeps the unscattered size.
+        slice (XLA:CPU): the unscattered buffer exists for one step, until the fusions
+        that slice it, scheduled right after the reduction, have run.
       top: how many contributions to report in `MemoryEstimate.at_peak`.
     """
     aliased = set(aliased)
@@ -426,8 +431,9 @@ def temp_buffers(graph: Graph, info: BufferInfo, value_bytes: Callable[[int], fl
             continue
         s, e = reduced_at.get(vid, int(info.start[vid])), ends.get(vid, int(info.end[vid]))
         nbytes = value_bytes(vid)
-        if scatter_as_all_reduce and vid in partial:
-            nbytes = max(nbytes, partial[vid])  # the slice reads the all-reduced buffer
+        if scatter_as_all_reduce and partial.get(vid, 0.0) > nbytes:
+            # The all-reduced buffer lives one step: the fusions that slice it run at once.
+            events.append((s, s + 1, partial[vid] - nbytes, f"all-reduced v{vid}"))
         events.append((s, max(e, s + 1), nbytes, f"v{vid} {v.shape}"))
     for vid, like, s, e in info.broadcasts:
         events.append((s, e, value_bytes(like), f"broadcast v{vid} {graph.values[like].shape}"))
@@ -436,6 +442,8 @@ def temp_buffers(graph: Graph, info: BufferInfo, value_bytes: Callable[[int], fl
         events.append((t, t + 1, factor * value_bytes(vid), f"{graph.eqns[k].name} v{vid}"))
     # One copy per (value, layout), shared by its readers (XLA's CSE): a gathering copy is
     # made before the first of them, a slice right after the value.
+    # A move through a gathered layout adds that layout's copy for one step at the first
+    # read (the partitioner gathers, slices to the target, and frees the gathered copy).
     copies: dict[tuple[int, object], list] = {}
     for r in reshards:
         if r.nbytes <= 0:
@@ -445,11 +453,15 @@ def temp_buffers(graph: Graph, info: BufferInfo, value_bytes: Callable[[int], fl
         end = r.time + 1 if r.until is None else r.until
         if key in copies:
             c = copies[key]
-            c[0], c[1] = min(c[0], start), max(c[1], end)
+            if start < c[0]:
+                c[0], c[3] = start, r.gathered
+            c[1] = max(c[1], end)
         else:
-            copies[key] = [start, end, r.nbytes]
-    for (vid, _), (s, e, nbytes) in copies.items():
+            copies[key] = [start, end, r.nbytes, r.gathered]
+    for (vid, _), (s, e, nbytes, gathered) in copies.items():
         events.append((s, e, nbytes, f"reshard v{vid}"))
+        if gathered > nbytes:
+            events.append((s, s + 1, gathered - nbytes, f"gathered v{vid}"))
     return events
 
 
