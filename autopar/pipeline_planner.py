@@ -23,15 +23,20 @@ sharding constraints.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
 import functools
+import hashlib
 import itertools
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from autopar.cost_model import ClusterSpec, Link
 from autopar.cost_model.collectives import combined_alpha_share, send_recv_s
@@ -622,6 +627,78 @@ def _gradient_matmuls(fb: Graph, grads: Sequence[int]) -> set[int]:
     return {k for k in fb.producers_back(grads, through) if defers(fb.eqns[k])}
 
 
+class _SameProblems:
+    """A `submit` that hands each distinct sharding problem to `submit` once: a problem
+    equal to one already handed over, number for number (costs, memory usages, liveness,
+    edges, usage limit) and with the same solver and time limit, gets that one's future.
+
+    Layer ILPs repeat: on a sub-mesh whose axes split no more of a layer than a smaller
+    one's (GPT-39B at 1,024 micro-batches: its layers on (3, 8), (5, 8), (6, 8) and (7, 8)
+    pose the problems they pose on (1, 1) or (1, 8)), and neighbour re-solves whose sides
+    differ but charge the same seconds for every layout.  GPT-39B on 8x8xV100-16GB at 1,024
+    micro-batches: 127 of 289 problems repeat one before them.  Any choice costs the same in
+    equal problems, so one answer serves all of them."""
+
+    def __init__(self, submit: Callable[..., Any]):
+        self._submit = submit
+        self._futures: dict[tuple, Any] = {}
+        self._lock = threading.Lock()   # the sub-meshes are priced side by side
+        self.shared = 0
+
+    def __call__(self, problem, *, time_limit_s: float, backend: str, **options):
+        key = (_problem_digest(problem), float(time_limit_s), backend,
+               tuple(sorted(options.items())))
+        with self._lock:
+            future = self._futures.get(key)
+            if future is None:
+                future = self._futures[key] = self._submit(
+                    problem, time_limit_s=time_limit_s, backend=backend, **options)
+            else:
+                self.shared += 1
+        return future
+
+
+def _problem_digest(problem) -> bytes:
+    """A digest of everything a solver reads from a `ShardingProblem` (not its names)."""
+    h = hashlib.blake2b(digest_size=20)
+    for arrays in (problem.node_costs, problem.node_usages, problem.edge_costs):
+        h.update(len(arrays).to_bytes(8, "little"))
+        for a in arrays:
+            a = np.ascontiguousarray(a)
+            h.update(repr((a.dtype.str, a.shape)).encode())
+            h.update(a.tobytes())
+    for a in (problem.intervals, problem.edges):
+        a = np.ascontiguousarray(a)
+        h.update(repr((a.dtype.str, a.shape)).encode())
+        h.update(a.tobytes())
+    h.update(repr(problem.usage_limit).encode())
+    return h.digest()
+
+
+def _price_side_by_side(range_cost: Callable[[int, int, tuple[int, int]], Any],
+                        submeshes: Sequence[tuple[int, int]],
+                        asked: Sequence[tuple[int, int, int]]) -> None:
+    """Calls `range_cost(i, j, submesh)` for the `asked` triples (`inter_op.asked`: the
+    stage DP's), one thread per sub-mesh, each in the DP's order.
+
+    A range's cost waits on its layers' neighbour re-solves (`search`'s `aligned`), one at
+    a time along a chain; the chains of different sub-meshes share no state but the solve
+    pool, so pricing the sub-meshes side by side keeps the pool's workers busy where the
+    DP's own order (every sub-mesh of one range, then the next range) waited on one solve
+    at a time.  The DP then reads the memoized costs."""
+    per: dict[int, list[tuple[int, int]]] = {}
+    for i, j, s in asked:
+        per.setdefault(s, []).append((i, j))
+
+    def price(s: int) -> None:
+        for i, j in per[s]:
+            range_cost(i, j, submeshes[s])
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(per))) as threads:
+        for f in [threads.submit(price, s) for s in per]:
+            f.result()
+
+
 def _cheapest(options: dict[tuple[int, ...], _Priced]) -> _Priced:
     return min(options.values(), key=lambda p: p.cost_s)
 
@@ -704,7 +781,9 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
 
     started: dict[tuple[str, tuple[int, int], int], Callable[[], dict]] = {}
     pool = SolvePool()
-    submit = WatchedSubmit(pool.submit)   # waits on answers bounded by the pool's progress
+    # waits on answers bounded by the pool's progress; a problem identical to one already
+    # handed over shares its answer (`_SameProblems`)
+    submit = WatchedSubmit(_SameProblems(pool.submit))
     # A layer's memory-priced and lean ILPs are its time-optimal twin with other parameter
     # costs: one build each.
     builds = intra_op.BuildCache()
@@ -990,12 +1069,17 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             phases["layer ILPs + stage split"] = time.perf_counter() - t_phase
         else:
             submeshes = inter_op.submesh_shapes(hosts, per_host)
+            t_costs = time.perf_counter()
+            _price_side_by_side(range_cost, submeshes, inter_op.asked(
+                lay.num_layers, submeshes, num_devices=n, num_stages=layout.num_stages))
+            t_costs = time.perf_counter() - t_costs
             result = inter_op.run(lay.num_layers, submeshes,
                                   lambda i, j, s: range_cost(i, j, submeshes[s]), num_devices=n,
                                   num_micro_batches=micro, num_stages=layout.num_stages)
             choices.append([(st.layers, st.submesh) for st in result.stages])
-            # inter_op fills its cost table (the layer ILPs) before the DP proper.
-            phases["layer ILPs"] = result.stats["cost_s"]
+            # The layer ILPs: the stage costs priced ahead, and whatever inter_op's filling
+            # of its cost table still asked for, before the DP proper.
+            phases["layer ILPs"] = t_costs + result.stats["cost_s"]
             t_phase = time.perf_counter()
             # The DP prices a stage's received activations as if sent by a stage of its own
             # size, without layouts (neither the sender nor the layouts are known there),

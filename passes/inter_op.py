@@ -37,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["StageChoice", "InterOpResult", "submesh_shapes", "run", "assign_devices"]
+__all__ = ["StageChoice", "InterOpResult", "submesh_shapes", "run", "asked",
+           "assign_devices"]
 
 # Floats held by one DP table (L + 1 arrays of P x (D + 1) x chunk): bounds the chunk size.
 _TABLE_FLOATS = 1 << 22
@@ -183,6 +184,19 @@ def run(num_layers: int, submeshes: Sequence[tuple[int, int]],
              "t_max_evaluated": evaluated, "cost_s": t_cost,
              "seconds": time.perf_counter() - t0}
     return InterOpResult(tuple(stages), float(total), float(t_max), stats)
+
+
+def asked(num_layers: int, submeshes: Sequence[tuple[int, int]], *, num_devices: int,
+          num_stages: int | None = None) -> list[tuple[int, int, int]]:
+    """The (first layer, last layer, sub-mesh index) triples `run` asks `stage_cost` for,
+    in its order (a caller can price them ahead, e.g. several sub-meshes at once)."""
+    sizes = [h * m for h, m in submeshes]
+    if not sizes:
+        return []
+    return [(i, j, s) for i in range(num_layers) for j in range(i, num_layers)
+            for s, size in enumerate(sizes)
+            if _usable(i, j, size, num_layers, num_devices, num_stages, min(sizes),
+                       max(sizes))]
 
 
 def _check_shape(shape: Any) -> tuple[int, int]:
