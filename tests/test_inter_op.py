@@ -229,3 +229,18 @@ def test_dp_layouts_pack(hosts, per_host):
         ids = inter_op.assign_devices(res.stages, hosts, per_host)
         flat = sorted(d for stage in ids for d in stage)
         assert flat == list(range(hosts * per_host))
+
+
+@pytest.mark.parametrize("num_stages", [None, 2, 3])
+def test_asked_is_what_run_asks(num_stages):
+    """`inter_op.asked` lists the stage costs `run` asks for, in its order (the pipeline
+    search prices them ahead, sub-meshes side by side)."""
+    shapes = inter_op.submesh_shapes(2, 4)
+    seen = []
+
+    def cost(i, j, s):
+        seen.append((i, j, s))
+        return 1.0 + (j - i) / shapes[s][0] / shapes[s][1]
+
+    inter_op.run(5, shapes, cost, num_devices=8, num_micro_batches=4, num_stages=num_stages)
+    assert inter_op.asked(5, shapes, num_devices=8, num_stages=num_stages) == seen

@@ -213,3 +213,26 @@ def test_pool_stops_waiting_for_a_worker_past_its_bound(monkeypatch):
     assert answer.status == "optimal" and not answer.stats.get("worker")
     assert pool.solved_in_workers == 0
     assert time.monotonic() - t0 < 30
+
+
+def test_equal_layer_problems_are_solved_once():
+    """The pipeline search's submit (`_SameProblems`) hands a problem equal number for
+    number to one before it (names aside) to the pool once, and that one's answer serves
+    both; a problem differing in one cost is solved on its own."""
+    from autopar.pipeline_planner import _SameProblems
+
+    calls = []
+
+    def submit(problem, *, time_limit_s, backend):
+        calls.append(problem.name)
+        return object()
+
+    same = _SameProblems(submit)
+    a = random_problem(0)
+    twin = dataclasses.replace(a, node_names=None, name="twin")
+    other = dataclasses.replace(a, node_costs=(a.node_costs[0] + 1e-9, *a.node_costs[1:]))
+    first = same(a, time_limit_s=1.0, backend="auto")
+    assert same(twin, time_limit_s=1.0, backend="auto") is first
+    assert same(other, time_limit_s=1.0, backend="auto") is not first
+    assert same(a, time_limit_s=5.0, backend="auto") is not first   # a retry's longer limit
+    assert calls == ["r0", "r0", "r0"] and same.shared == 1
