@@ -694,8 +694,10 @@ def _price_side_by_side(range_cost: Callable[[int, int, tuple[int, int]], Any],
         for i, j in per[s]:
             range_cost(i, j, submeshes[s])
 
+    # Each thread runs in a copy of the caller's context: the fallbacks a layer build
+    # reports (`passes.fallbacks.collecting`) reach the caller's collection.
     with concurrent.futures.ThreadPoolExecutor(max(1, len(per))) as threads:
-        for f in [threads.submit(price, s) for s in per]:
+        for f in [threads.submit(contextvars.copy_context().run, price, s) for s in per]:
             f.result()
 
 

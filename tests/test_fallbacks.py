@@ -68,3 +68,20 @@ def test_standard_models_plan_and_run_without_fallbacks(make):
             state, batch)
         traced.lower()
         assert traced.fallbacks == (), [str(f) for f in traced.fallbacks]
+
+
+
+def test_stage_costs_priced_side_by_side_report_their_fallbacks():
+    """The stage search prices sub-meshes side by side on threads
+    (`pipeline_planner._price_side_by_side`): a fallback a layer build reports there reaches
+    the caller's collection (each thread runs in a copy of the caller's context)."""
+    from autopar.pipeline_planner import _price_side_by_side
+
+    def range_cost(i, j, submesh):
+        fallbacks.report("intra-op", f"layers {i}-{j} on {submesh} replicated")
+
+    with fallbacks.collecting() as found, pytest.warns(autopar.FallbackWarning):
+        _price_side_by_side(range_cost, [(1, 1), (1, 2)], [(0, 0, 0), (0, 1, 1), (1, 1, 0)])
+    assert sorted(f.what for f in found) == [
+        "layers 0-0 on (1, 1) replicated", "layers 0-1 on (1, 2) replicated",
+        "layers 1-1 on (1, 1) replicated"]
