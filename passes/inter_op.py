@@ -139,23 +139,19 @@ def run(num_layers: int, submeshes: Sequence[tuple[int, int]],
                 f"{shapes[sizes.index(min(sizes))]}), but there are only num_devices={D}")
 
     cost = np.full((L, L, len(shapes)), np.inf)
-    asked = np.zeros(cost.shape, dtype=bool)
+    was_asked = np.zeros(cost.shape, dtype=bool)
     calls = 0
-    for i in range(L):
-        for j in range(i, L):
-            for s, size in enumerate(sizes):
-                if not _usable(i, j, size, L, D, S, min(sizes), max(sizes)):
-                    continue
-                c = stage_cost(i, j, s)
-                asked[i, j, s] = True
-                calls += 1
-                if c is None:
-                    continue
-                c = float(c)
-                if math.isnan(c) or c < 0:
-                    raise ValueError(f"stage_cost({i}, {j}, {s}) returned {c}; expected seconds "
-                                     f">= 0 or None")
-                cost[i, j, s] = c
+    for i, j, s in asked(L, shapes, num_devices=D, num_stages=S):
+        c = stage_cost(i, j, s)
+        was_asked[i, j, s] = True
+        calls += 1
+        if c is None:
+            continue
+        c = float(c)
+        if math.isnan(c) or c < 0:
+            raise ValueError(f"stage_cost({i}, {j}, {s}) returned {c}; expected seconds "
+                             f">= 0 or None")
+        cost[i, j, s] = c
     t_cost = time.perf_counter() - t0
 
     candidates = np.unique(cost[np.isfinite(cost)])
@@ -175,7 +171,7 @@ def run(num_layers: int, submeshes: Sequence[tuple[int, int]],
         start += len(tv)
         chunk *= 2
     if not math.isfinite(best):
-        raise NoStageLayoutError(_infeasible_message(cost, asked, shapes, sizes, D, S))
+        raise NoStageLayoutError(_infeasible_message(cost, was_asked, shapes, sizes, D, S))
 
     stages = _reconstruct(cost, shapes, sizes, D, S, best_t)
     t_max = max(st.cost_s for st in stages)
@@ -193,10 +189,10 @@ def asked(num_layers: int, submeshes: Sequence[tuple[int, int]], *, num_devices:
     sizes = [h * m for h, m in submeshes]
     if not sizes:
         return []
+    lo, hi = min(sizes), max(sizes)
     return [(i, j, s) for i in range(num_layers) for j in range(i, num_layers)
             for s, size in enumerate(sizes)
-            if _usable(i, j, size, num_layers, num_devices, num_stages, min(sizes),
-                       max(sizes))]
+            if _usable(i, j, size, num_layers, num_devices, num_stages, lo, hi)]
 
 
 def _check_shape(shape: Any) -> tuple[int, int]:

@@ -263,19 +263,15 @@ def _result(builder: _ProblemBuilder, solution: Solution, estimate: mem.MemoryEs
     operand_specs = {
         (eqn, k): req[choice[g]] for eqn, k, vid, g, req in builder.operand_requirements
         if req[choice[g]] is not None and req[choice[g]] != value_specs[vid]}
-    # Other reads that move a split between dims with several axes involved are pinned too,
-    # so that the emitter can route them through `gather_first` (XLA would replicate).
+    # Other reads in another layout are pinned too where XLA would not move them as priced:
+    # a split moved between dims with several axes involved (routed by the emitter through
+    # `gather_first`; XLA would replicate), and a read that an equation broadcasts to more
+    # elements (XLA would compute the broadcast's consumers in the small operand's layout
+    # and move the large result: a [B,1,1,S] mask bias added to [B,h,S,S] scores).
     for eqn, k, vid, g, req in builder.requirements:
-        want = req[choice[g]]
-        if want is not None and k >= 0 and full_rematerialization(value_specs[vid], want):
-            operand_specs.setdefault((eqn, k), want)
-    # A read that an equation broadcasts to more elements is pinned as well: XLA would
-    # otherwise compute the broadcast's consumers in the small operand's layout and move
-    # the large result instead (a [B,1,1,S] mask bias added to [B,h,S,S] scores).
-    for eqn, k, vid, g, req in builder.requirements:
-        want = req[choice[g]]
-        if want is not None and k >= 0 and want != value_specs[vid] \
-                and _broadcasts(graph, eqn, vid):
+        want, have = req[choice[g]], value_specs[vid]
+        if want is not None and k >= 0 and want != have and (
+                full_rematerialization(have, want) or _broadcasts(graph, eqn, vid)):
             operand_specs.setdefault((eqn, k), want)
     operand_specs = tuple((e, k, sp) for (e, k), sp in sorted(operand_specs.items()))
     out_specs = []
