@@ -179,9 +179,9 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
                     errors.append(lean_err)
                 continue
             if progress:
-                best = min(results, key=lambda r: r.cost_s)
-                progress(f"mesh ILP {mesh.shape} solved: {results[-1].cost_s * 1e3:.3f} ms "
-                         f"(best {best.cost_s * 1e3:.3f} ms on {best.mesh.shape})")
+                best = min(results, key=lambda r: r.step_s)
+                progress(f"mesh ILP {mesh.shape} solved: {results[-1].step_s * 1e3:.3f} ms "
+                         f"(best {best.step_s * 1e3:.3f} ms on {best.mesh.shape})")
         if flat_run is not None:
             try:
                 results.append(answer(flat_run, f"the mesh ILP on logical mesh {flat}"))
@@ -201,7 +201,7 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
                              f"{[r.mesh.shape for r in results]} that keeps every batch dim "
                              f"off the other mesh axes (raise time_limit_s)")
         results = kept
-    best = min(results, key=lambda r: r.cost_s)
+    best = min(results, key=lambda r: r.step_s)
     in_specs = tuple(best.value_specs[v] for v in graph.invars)
     decided = {v: s for v, s in best.value_specs.items() if graph.values[v].producer is not None}
     stats = dict(best.stats)
@@ -225,10 +225,10 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
         in_specs=in_specs,
         out_specs=best.out_specs,
         value_specs=tuple(sorted(decided.items())),
-        predicted=PredictedCost(best.cost_s, best.compute_s, best.comm_s, best.memory_bytes,
-                                graph.total_flops()),
+        predicted=PredictedCost(best.step_s, best.compute_s, best.comm_s + best.bucket_alpha_s,
+                                best.memory_bytes, graph.total_flops()),
         solver=stats,
-        candidates=_with_mirrors([(r.mesh.shape, r.cost_s) for r in results], mirrors,
+        candidates=_with_mirrors([(r.mesh.shape, r.step_s) for r in results], mirrors,
                                  [*shapes, flat] if flat_run is not None else shapes),
         operand_specs=best.operand_specs,
         num_micro_batches=micro if isinstance(micro, int) else 1,

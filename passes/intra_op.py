@@ -78,6 +78,11 @@ class IntraOpResult:
         gather or scatter reads an operand in another layout than the operand's own; the
         emitter pins these, so XLA reshards exactly as priced.
       memory: the `passes.memory` estimate behind `memory_bytes` (its terms).
+      bucket_alpha_s: seconds of latency the combined reductions pay beyond what the
+        objective prices: rules pro-rate α to a reduction's share of a `COMBINE_BYTES`
+        bucket, but every bucket pays a whole α, so P lazily reduced bytes per device pay
+        α·(⌈P/C⌉ − P/C) more.  Not in `cost_s`: a pipeline stage buckets the reductions of
+        all its layers together; `step_s` adds it for a program run on its own.
     """
 
     mesh: MeshContext
@@ -91,6 +96,12 @@ class IntraOpResult:
     stats: dict
     operand_specs: tuple[tuple[int, int, Spec], ...] = ()
     memory: mem.MemoryEstimate | None = None
+    bucket_alpha_s: float = 0.0
+
+    @property
+    def step_s(self) -> float:
+        """Predicted seconds of the program run on its own: `cost_s` + `bucket_alpha_s`."""
+        return self.cost_s + self.bucket_alpha_s
 
 
 @dataclasses.dataclass
@@ -299,7 +310,20 @@ def _result(builder: _ProblemBuilder, solution: Solution, estimate: mem.MemoryEs
     }
     return IntraOpResult(mesh, value_specs, tuple(out_specs), float(solution.cost), compute,
                          float(solution.cost) - compute, estimate.peak_bytes, solution, stats,
-                         operand_specs, estimate)
+                         operand_specs, estimate, _bucket_alpha_s(builder, choice))
+
+
+def _bucket_alpha_s(builder: _ProblemBuilder, choice: Sequence[int]) -> float:
+    """`IntraOpResult.bucket_alpha_s` of the solution `choice`: the α the last, partly
+    filled bucket of the lazily reduced (combined) partial sums pays beyond its pro-rated
+    share, on the slowest link of the mesh's split axes."""
+    lazy = sum(float(p[choice[g]]) for g, grp in enumerate(builder.groups)
+               for vid, p in grp.partials if not builder.buffers.urgent[vid])
+    axes = tuple(a for a in builder.mesh.axes if builder.mesh.size(a) > 1)
+    if lazy <= 0 or not axes:
+        return 0.0
+    buckets = lazy / COMBINE_BYTES
+    return builder.mesh.group_link(axes).alpha_s * (math.ceil(buckets) - buckets)
 
 
 def _broadcasts(graph: Graph, eqn: int, vid: int) -> bool:
