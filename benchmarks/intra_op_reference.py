@@ -167,8 +167,9 @@ def _audit(compiled, mesh_shape, mesh_axes, device_ids, cluster) -> dict:
     for c in found.collectives:
         if c.nbytes > 8:  # scalar reductions (the loss) left out of the counts, as Alpa's
             counts[c.kind] = counts.get(c.kind, 0) + c.count
-    return {"comm_bytes_s": found.price(cluster)["communication_s"], "counts": counts,
-            "bytes_by_kind": found.bytes_by_kind()}
+    priced = found.price(cluster)
+    return {"comm_bytes_s": priced["communication_s"], "total_s": priced["total_s"],
+            "counts": counts, "bytes_by_kind": found.bytes_by_kind()}
 
 
 def run_reference(case_built: ac.Built, name: str, mesh: Mesh, cluster: ClusterSpec) -> dict:
