@@ -605,7 +605,7 @@ class Auditor:
             "pred_memory_bytes": [on_cpu.memory_bytes],
             "pred_memory_gpu_rules_bytes": [plan.predicted.memory_bytes],
             "pred_flops_total": plan.predicted.flops,
-            "replay_step_s": own.cost_s, "replay_rel_diff": own.cost_s / plan.predicted.step_s - 1,
+            "replay_step_s": own.step_s, "replay_rel_diff": own.step_s / plan.predicted.step_s - 1,
             "pred_comm_volume_bytes": vol.comm_s,
             "audit_comm_volume_bytes": audit.price(self.bytes_cluster)["communication_s"],
             "audit_latency_s": audit.price(self.latency_cluster)["communication_s"],

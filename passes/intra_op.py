@@ -978,12 +978,19 @@ class SpecsPrice:
     Attributes:
       cost_s / compute_s / comm_s: as in `IntraOpResult` (resharding counts as comm).
       memory_bytes: predicted peak bytes per device.
+      bucket_alpha_s: as in `IntraOpResult`.
     """
 
     cost_s: float
     compute_s: float
     comm_s: float
     memory_bytes: float
+    bucket_alpha_s: float = 0.0
+
+    @property
+    def step_s(self) -> float:
+        """`cost_s` + `bucket_alpha_s`: a single-mesh plan's `Plan.predicted.step_s`."""
+        return self.cost_s + self.bucket_alpha_s
 
 
 def price_specs(graph: Graph, value_specs: Mapping[int, Spec],
@@ -1043,5 +1050,6 @@ def price_specs(graph: Graph, value_specs: Mapping[int, Spec],
         p = b.problem(None)
         cost, _ = evaluate(p, choice)
         compute = float(sum(g.compute_s[choice[i]] for i, g in enumerate(b.groups)))
-        out.append(SpecsPrice(cost, compute, cost - compute, b.estimate(choice).peak_bytes))
+        out.append(SpecsPrice(cost, compute, cost - compute, b.estimate(choice).peak_bytes,
+                              _bucket_alpha_s(b, choice)))
     return out
