@@ -12,9 +12,9 @@ answer is the one trying every count would give, found trying few (`bounded`):
   activation memory) rules out every smaller count too;
 - bubble and per-micro-batch costs: a searched count's stage costs bound every larger
   count from below (`lower_bound_s`: no layer range gets faster per row on smaller
-  micro-batches, so the stage DP over its costs scaled by the rows, with the larger
-  count's bubble, is below any plan of that count), and a count whose bound is above the
-  best plan found is not searched.
+  micro-batches, so the stage DP over its costs scaled by the rows, what no layout and no
+  count changes kept whole, with the larger count's bubble, is below any plan of that
+  count), and a count whose bound is above the best plan found is not searched.
 
 The chosen plan records every try in `Plan.solver["micro_batch_tries"]` (count, predicted
 step seconds or why it failed, search seconds) and the counts left out by their bound in
@@ -80,9 +80,10 @@ def ladder(batch_size: int) -> list[int]:
     return out
 
 
-def lower_bound_s(table: StageCostTable, count: int) -> float | None:
-    """Seconds per step no plan of `count` micro-batches beats, from the stage costs a search
-    of `table.num_micro_batches` <= `count` micro-batches priced (None: a count below it).
+def lower_bound_s(tables: Sequence[StageCostTable], count: int) -> float | None:
+    """Seconds per step no plan of `count` micro-batches beats, from the stage costs that
+    searches of fewer micro-batches priced (`tables`; None: none of them is of a count at
+    or below `count`).
 
     A micro-batch of the larger count holds `table.num_micro_batches / count` times the
     rows, and no layer range gets faster per row on smaller micro-batches: what scales with
@@ -91,22 +92,43 @@ def lower_bound_s(table: StageCostTable, count: int) -> float | None:
     reduction amortized over the micro-batches) stays; a smaller micro-batch also has no
     layout a larger one lacks (a dim that splits over an axis splits at any multiple).  So
     each range's time-optimal seconds per micro-batch at `count` are at least the table's,
-    scaled by that ratio (as are their activations' copies from the stage before), and the
-    stage DP over those (Σ t_i + (count − 1) · max t_i: the plan's objective without its
-    memory, re-layouts and per-step moves, each >= 0) bounds every plan of `count`
-    micro-batches from below."""
-    if count < table.num_micro_batches:
+    scaled by that ratio (as are their activations' copies from the stage before), plus
+    the unscaled rest of the part no layout and no count changes (`StageCostTable.fixed_s`:
+    a time t = f + r, f that part, is at `count` at least f + ratio · r); each table gives
+    such a floor, and the largest holds.  The stage DP over those floors (Σ t_i +
+    (count − 1) · max t_i: the plan's objective without its memory, re-layouts and per-step
+    moves, each >= 0) bounds every plan of `count` micro-batches from below.  Tables of
+    other layer partitions or sub-meshes are bounded apart, the largest bound kept."""
+    below = [t for t in tables if t.num_micro_batches <= count]
+    if not below:
         return None
-    scale = table.num_micro_batches / count
+    groups: dict[tuple, list[StageCostTable]] = {}
+    for t in below:
+        groups.setdefault((t.num_layers, t.num_devices, t.submeshes, t.num_stages), []).append(t)
+    bounds = [b for b in (_grouped_bound_s(g, count) for g in groups.values()) if b is not None]
+    return max(bounds) if bounds else None
+
+
+def _grouped_bound_s(tables: Sequence[StageCostTable], count: int) -> float | None:
+    """`lower_bound_s` from tables of one layer partition and one set of sub-meshes: the
+    stage DP over each range's largest floor."""
+    first = tables[0]
+
+    def floor(t: StageCostTable, key: tuple[int, int, tuple[int, int]]) -> float:
+        seconds = t.least_s.get(key)
+        if seconds is None:
+            return 0.0  # not priced: no bound
+        scale = t.num_micro_batches / count
+        fixed = min(t.fixed_s.get(key, 0.0), seconds)
+        return fixed + (seconds - fixed) * scale
 
     def cost(i: int, j: int, s: int) -> float:
-        seconds = table.least_s.get((i, j, table.submeshes[s]))
-        return 0.0 if seconds is None else seconds * scale  # not priced: no bound
+        return max(floor(t, (i, j, first.submeshes[s])) for t in tables)
 
     try:
-        return inter_op.run(table.num_layers, table.submeshes, cost,
-                            num_devices=table.num_devices, num_micro_batches=count,
-                            num_stages=table.num_stages).total_s
+        return inter_op.run(first.num_layers, first.submeshes, cost,
+                            num_devices=first.num_devices, num_micro_batches=count,
+                            num_stages=first.num_stages).total_s
     except NoStageLayoutError:
         return None
 
@@ -166,7 +188,7 @@ def search(step: ParallelizedFunction, dynamic: list, static: tuple, positions: 
     results: dict[int, tuple[Any, Any, Plan]] = {}
     tries: list[Try] = []
     tables: dict[int, StageCostTable] = {}
-    bounds: dict[tuple[int, int], float | None] = {}
+    bounds: dict[tuple[int, tuple[int, ...]], float | None] = {}
 
     def evaluate(count: int) -> float | None:
         t0 = time.perf_counter()
@@ -198,13 +220,10 @@ def search(step: ParallelizedFunction, dynamic: list, static: tuple, positions: 
         return plan.predicted.step_s
 
     def bound(count: int) -> float | None:
-        found = None
-        for b, table in tables.items():
-            if (b, count) not in bounds:
-                bounds[(b, count)] = lower_bound_s(table, count)
-            if bounds[(b, count)] is not None:
-                found = max(found or 0.0, bounds[(b, count)])
-        return found
+        key = (count, tuple(sorted(b for b in tables if b <= count)))
+        if key not in bounds:
+            bounds[key] = lower_bound_s(list(tables.values()), count)
+        return bounds[key]
 
     k = bounded(counts, evaluate, bound)
     if k is None:

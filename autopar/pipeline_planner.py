@@ -114,6 +114,11 @@ class _Priced:
     # axis), read off the layouts, not the cost: a step may take longer than the penalty
     # (any layer on a communication-only cluster at 1 s/byte).
     penalized: bool = False
+    # Seconds per micro-batch of `cost_s` no layout of this layer on this mesh goes below
+    # and no micro-batch count changes: adding each parameter gradient the ILP charges into
+    # its accumulator (`ACCUMULATE_TRAFFIC`), its bytes split over every device of the mesh
+    # (`StageCostTable.fixed_s`).
+    accumulate_floor_s: float = 0.0
     # `_memoized`'s store (parameter bytes, update seconds, memory terms): the stage search
     # asks for the same layer's terms once per layer range holding it (thousands of times
     # on GPT-39B).
@@ -126,7 +131,12 @@ class StageCostTable:
     micro-batches of the step: per layer range and sub-mesh it asked, the seconds per
     micro-batch of the range's fastest time-optimal layouts on it (memory not checked) with
     its activations received as fast as they can be (None: no such layout), and the
-    plan's predicted step seconds.  Every stage a plan can hold takes at least that long."""
+    plan's predicted step seconds.  Every stage a plan can hold takes at least that long.
+
+    `fixed_s`: per layer range and sub-mesh, seconds per micro-batch of that least time
+    that no layout goes below and no micro-batch count changes (its layers'
+    `_Priced.accumulate_floor_s`; absent: 0), which a bound for more micro-batches keeps
+    unscaled (`micro_batches.lower_bound_s`)."""
 
     num_micro_batches: int
     num_layers: int
@@ -135,19 +145,23 @@ class StageCostTable:
     num_stages: int | None
     least_s: Mapping[tuple[int, int, tuple[int, int]], float | None]
     step_s: float
+    fixed_s: Mapping[tuple[int, int, tuple[int, int]], float] = dataclasses.field(
+        default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"num_micro_batches": self.num_micro_batches, "num_layers": self.num_layers,
                 "num_devices": self.num_devices, "submeshes": [list(s) for s in self.submeshes],
                 "num_stages": self.num_stages, "step_s": self.step_s,
-                "least_s": [[i, j, *sub, c] for (i, j, sub), c in self.least_s.items()]}
+                "least_s": [[i, j, *sub, c] for (i, j, sub), c in self.least_s.items()],
+                "fixed_s": [[i, j, *sub, c] for (i, j, sub), c in self.fixed_s.items()]}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> StageCostTable:
         return StageCostTable(
             d["num_micro_batches"], d["num_layers"], d["num_devices"],
             tuple((h, m) for h, m in d["submeshes"]), d["num_stages"],
-            {(i, j, (h, m)): c for i, j, h, m, c in d["least_s"]}, d["step_s"])
+            {(i, j, (h, m)): c for i, j, h, m, c in d["least_s"]}, d["step_s"],
+            {(i, j, (h, m)): c for i, j, h, m, c in d.get("fixed_s", [])})
 
 
 _recording: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -311,11 +325,26 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
         return dataclasses.replace(p, cost_s=p.cost_s - charge, penalized=penalized) \
             if charge or penalized else p
 
-    return lambda: {shape: uncharged(_priced(
+    def floored(p: _Priced, run: intra_op.PendingRun) -> _Priced:
+        floor = _accumulate_floor_s(fb, grad_outs, run.builder.group_of, p.mesh)
+        return dataclasses.replace(p, accumulate_floor_s=floor) if floor else p
+
+    return lambda: {shape: floored(uncharged(_priced(
         graph, program, layer, position, per_micro_inputs, mesh,
         answer(run, f"the layer ILP ({len(program.eqns)} equations) on sub-mesh {submesh}, "
-                    f"logical mesh {shape}")))
+                    f"logical mesh {shape}"))), run)
         for shape, mesh, run in pending}
+
+
+def _accumulate_floor_s(fb: Graph, grad_outs: Sequence[int], decided: Mapping[int, int],
+                        mesh: MeshContext) -> float:
+    """Seconds per micro-batch the layer ILP charges at least, whatever the layouts, for
+    adding the parameter gradients `grad_outs` into their accumulators: `ACCUMULATE_TRAFFIC`
+    times each gradient's bytes split over every device of `mesh`, at its memory bandwidth
+    (the ILP charges a gradient with a decision only, `decided`: value id -> its group)."""
+    nbytes = sum(fb.values[v].nbytes for v in grad_outs if v in decided)
+    return (ACCUMULATE_TRAFFIC * nbytes / mesh.num_devices
+            / mesh.cluster.memory_bandwidth_bytes_per_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1047,6 +1076,14 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         return layers_s + sum(
             least_transfer_s(submesh, graph.values[v].nbytes, hosts, per_host, cluster)
             * (1 + (v in diff)) for v in received_values(i, j))
+
+    def fixed_stage_s(i: int, j: int, submesh: tuple[int, int]) -> float:
+        """Seconds per micro-batch of `least_stage_s(i, j, submesh)` that no layout and no
+        micro-batch count changes: the layers' gradient accumulation floors (the least over
+        the logical shapes of each layer's time-optimal solutions; 0 where none)."""
+        return sum(min((p.accumulate_floor_s for p in layer_options(k, submesh).values()),
+                       default=0.0) for k in range(i, j + 1))
+
     assemble = functools.partial(
         _assemble, hosts=hosts, per_host=per_host, device_ids=device_ids, ranges=ranges,
         graph=graph, diff=diff, params=params, micro=micro,
@@ -1124,7 +1161,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         recorded["stage_costs"] = StageCostTable(
             micro, lay.num_layers, n, tuple(inter_op.submesh_shapes(hosts, per_host)),
             layout.num_stages, {key: least_stage_s(*key) for key in free_costs},
-            step_s).to_json()
+            step_s, {key: fixed_stage_s(*key) for key in free_costs}).to_json()
     return Plan(
         fingerprint=fp, method=method.name, cluster=cluster.name, mesh_shape=(n,),
         mesh_axes=("x",), device_ids=tuple(device_ids), input_names=tuple(input_names),

@@ -89,7 +89,35 @@ def test_auto_on_a_small_gpt_is_the_best_explicit_count(tmp_path, monkeypatch):
     for b, table in tables.items():
         assert table.num_micro_batches == b
         assert table.step_s == plans[b].predicted.step_s
+        assert table.fixed_s and all(0.0 < table.fixed_s[k] <= c
+                                     for k, c in table.least_s.items() if c is not None)
+        unfixed = dataclasses.replace(table, fixed_s={})
         for count, plan in plans.items():
-            bound = micro_batches.lower_bound_s(table, count)
+            bound = micro_batches.lower_bound_s([table], count)
             assert (bound is None) == (count < b)
             assert bound is None or bound <= plan.predicted.step_s * (1 + 1e-9)
+            # the fixed part kept whole only tightens the bound
+            loose = micro_batches.lower_bound_s([unfixed], count)
+            assert bound is None or bound >= loose * (1 - 1e-12)
+    for count, plan in plans.items():
+        # every table at once: each range's largest floor
+        every = micro_batches.lower_bound_s(list(tables.values()), count)
+        alone = [micro_batches.lower_bound_s([t], count) for t in tables.values()]
+        assert every <= plan.predicted.step_s * (1 + 1e-9)
+        assert every >= max(a for a in alone if a is not None) * (1 - 1e-12)
+
+
+def test_lower_bound_keeps_the_fixed_part_whole():
+    """One layer on one device: 10 s per micro-batch at 2 micro-batches, 4 s of it fixed;
+    at 8 micro-batches a step takes at least 8 x (4 + 6 x 2/8) s, and two tables give each
+    range the larger of their floors."""
+    table = pipeline_planner.StageCostTable(2, 1, 1, ((1, 1),), None, {(0, 0, (1, 1)): 10.0},
+                                            20.0, {(0, 0, (1, 1)): 4.0})
+    assert micro_batches.lower_bound_s([table], 8) == pytest.approx(8 * (4.0 + 6.0 / 4))
+    assert micro_batches.lower_bound_s([dataclasses.replace(table, fixed_s={})], 8) \
+        == pytest.approx(8 * 10.0 / 4)
+    assert micro_batches.lower_bound_s([table], 1) is None
+    other = dataclasses.replace(table, num_micro_batches=4, least_s={(0, 0, (1, 1)): 6.0},
+                                fixed_s={})
+    assert micro_batches.lower_bound_s([table, other], 8) == pytest.approx(8 * 5.5)
+    assert pipeline_planner.StageCostTable.from_json(table.to_json()) == table
