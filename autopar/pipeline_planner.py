@@ -43,7 +43,7 @@ from autopar.cost_model.collectives import combined_alpha_share, send_recv_s
 from autopar.cost_model.compute import compute_time_s
 from autopar.cost_model.units import format_bytes
 from autopar.graph import Graph
-from autopar.passes import inter_op, intra_op, layering
+from autopar.passes import inter_op, intra_op, layering, primitives
 from autopar.passes.inter_op import NoStageLayoutError
 from autopar.passes.sharding_spec import (
     MeshContext,
@@ -115,10 +115,8 @@ class _Priced:
     # (any layer on a communication-only cluster at 1 s/byte).
     penalized: bool = False
     # Seconds per micro-batch of `cost_s` no layout of this layer on this mesh goes below
-    # and no micro-batch count changes: adding each parameter gradient the ILP charges into
-    # its accumulator (`ACCUMULATE_TRAFFIC`), its bytes split over every device of the mesh
-    # (`StageCostTable.fixed_s`).
-    accumulate_floor_s: float = 0.0
+    # and no micro-batch count changes (`_fixed_floor_s`; `StageCostTable.fixed_s`).
+    fixed_floor_s: float = 0.0
     # `_memoized`'s store (parameter bytes, update seconds, memory terms): the stage search
     # asks for the same layer's terms once per layer range holding it (thousands of times
     # on GPT-39B).
@@ -135,7 +133,7 @@ class StageCostTable:
 
     `fixed_s`: per layer range and sub-mesh, seconds per micro-batch of that least time
     that no layout goes below and no micro-batch count changes (its layers'
-    `_Priced.accumulate_floor_s`; absent: 0), which a bound for more micro-batches keeps
+    `_Priced.fixed_floor_s`; absent: 0), which a bound for more micro-batches keeps
     unscaled (`micro_batches.lower_bound_s`)."""
 
     num_micro_batches: int
@@ -325,9 +323,15 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
         return dataclasses.replace(p, cost_s=p.cost_s - charge, penalized=penalized) \
             if charge or penalized else p
 
+    # The parameters' own work is priced apart from its update only without other charges
+    # on their layouts (`_fixed_floor_s`).
+    plain = not (lean or memory_price or neighbours or batch_led)
+    param_ids = {fb.invars[k] for k, vid in enumerate(f_ids) if vid in params}
+
     def floored(p: _Priced, run: intra_op.PendingRun) -> _Priced:
-        floor = _accumulate_floor_s(fb, grad_outs, run.builder.group_of, p.mesh)
-        return dataclasses.replace(p, accumulate_floor_s=floor) if floor else p
+        floor = _fixed_floor_s(fb, run, grad_outs, param_ids if plain else set(),
+                               updates if plain else {}, p.mesh)
+        return dataclasses.replace(p, fixed_floor_s=floor) if floor else p
 
     return lambda: {shape: floored(uncharged(_priced(
         graph, program, layer, position, per_micro_inputs, mesh,
@@ -336,15 +340,54 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
         for shape, mesh, run in pending}
 
 
-def _accumulate_floor_s(fb: Graph, grad_outs: Sequence[int], decided: Mapping[int, int],
-                        mesh: MeshContext) -> float:
-    """Seconds per micro-batch the layer ILP charges at least, whatever the layouts, for
-    adding the parameter gradients `grad_outs` into their accumulators: `ACCUMULATE_TRAFFIC`
-    times each gradient's bytes split over every device of `mesh`, at its memory bandwidth
-    (the ILP charges a gradient with a decision only, `decided`: value id -> its group)."""
+def _fixed_floor_s(fb: Graph, run: intra_op.PendingRun, grad_outs: Sequence[int],
+                   param_ids: set[int], updates: Mapping[int, Callable[[Spec], float]],
+                   mesh: MeshContext) -> float:
+    """Seconds per micro-batch of a layer ILP's cost on `mesh` that no layout goes below
+    and no micro-batch count changes (`run`: the problem as handed to the solver):
+
+    * adding the parameter gradients `grad_outs` into their accumulators:
+      `ACCUMULATE_TRAFFIC` times each gradient's bytes split over every device of `mesh`,
+      at its memory bandwidth (the ILP charges a gradient with a decision only);
+    * the work on the parameters `param_ids` alone (casts of the weights, each micro-batch):
+      each ILP group whose values are all `_count_free` costs at least its cheapest
+      strategy, less the parameters' updates there (`updates`: seconds per micro-batch by
+      spec, amortized over the count, so not fixed).  Empty `param_ids`: none counted.
+    """
+    builder = run.builder
+    decided = builder.group_of
     nbytes = sum(fb.values[v].nbytes for v in grad_outs if v in decided)
-    return (ACCUMULATE_TRAFFIC * nbytes / mesh.num_devices
-            / mesh.cluster.memory_bandwidth_bytes_per_s)
+    total = (ACCUMULATE_TRAFFIC * nbytes / mesh.num_devices
+             / mesh.cluster.memory_bandwidth_bytes_per_s)
+    free = _count_free(fb, param_ids)
+    for group in builder.groups:
+        if not group.members or not all(v in free for v in group.members):
+            continue
+        cost = group.compute_s + group.comm_s
+        for v in group.members:
+            if v in updates:
+                cost = cost - np.array([updates[v](spec) for spec in builder.specs[v]])
+        total += max(0.0, float(cost.min()))
+    return total
+
+
+def _count_free(fb: Graph, param_ids: set[int]) -> set[int]:
+    """Values of `fb` whose shape and work no micro-batch count changes: the parameters
+    `param_ids`, and what elementwise equations (conversions included) and transposes make
+    of them alone (each output the shape of an operand, or a permutation of it)."""
+    free = set(param_ids)
+    for e in fb.eqns:
+        ops = [op for op in e.inputs if isinstance(op, int)]
+        if not ops or not all(op in free for op in ops) or len(e.outputs) != 1:
+            continue
+        if any(not isinstance(op, int) and tuple(op.shape) for op in e.inputs):
+            continue    # a literal that is not a scalar
+        out = fb.values[e.outputs[0]].shape
+        shapes = [fb.values[op].shape for op in ops]
+        if (primitives.info(e.name).elementwise and out in shapes
+                or e.name == "transpose" and sorted(out) == sorted(shapes[0])):
+            free.add(e.outputs[0])
+    return free
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1079,9 +1122,9 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
 
     def fixed_stage_s(i: int, j: int, submesh: tuple[int, int]) -> float:
         """Seconds per micro-batch of `least_stage_s(i, j, submesh)` that no layout and no
-        micro-batch count changes: the layers' gradient accumulation floors (the least over
-        the logical shapes of each layer's time-optimal solutions; 0 where none)."""
-        return sum(min((p.accumulate_floor_s for p in layer_options(k, submesh).values()),
+        micro-batch count changes: the layers' `_Priced.fixed_floor_s` (the least over the
+        logical shapes of each layer's time-optimal solutions; 0 where none)."""
+        return sum(min((p.fixed_floor_s for p in layer_options(k, submesh).values()),
                        default=0.0) for k in range(i, j + 1))
 
     assemble = functools.partial(

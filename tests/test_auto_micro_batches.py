@@ -121,3 +121,28 @@ def test_lower_bound_keeps_the_fixed_part_whole():
                                 fixed_s={})
     assert micro_batches.lower_bound_s([table, other], 8) == pytest.approx(8 * 5.5)
     assert pipeline_planner.StageCostTable.from_json(table.to_json()) == table
+
+
+def test_count_free_values_are_the_parameters_own_work():
+    """What elementwise equations and transposes make of the parameters alone keeps its
+    shape at any micro-batch count; a broadcast to the batch, or anything reading the
+    batch, does not."""
+    import jax
+    import jax.numpy as jnp
+
+    from autopar.graph import Graph
+
+    def f(w, b, x):
+        w16 = w.astype(jnp.float16).T
+        return x @ w16, x + jnp.broadcast_to(b * 2.0, x.shape), w16 * 3.0
+
+    fb = Graph.from_jaxpr(jax.make_jaxpr(f)(jnp.zeros((4, 8)), jnp.zeros((8,)),
+                                            jnp.zeros((2, 8), jnp.float16)))
+    w, b, x = fb.invars
+    free = pipeline_planner._count_free(fb, {w, b})
+    made = [(e.name, e.outputs[0]) for e in fb.eqns]
+    # w16 (cast, transpose), b * 2 and w16 * 3; not the dot, the broadcast, x's cast, the sum
+    assert [name for name, v in made if v in free] == ["convert_element_type", "transpose",
+                                                      "mul", "mul"]
+    assert x not in free and {w, b} <= free
+    assert pipeline_planner._count_free(fb, set()) == set()
