@@ -24,11 +24,13 @@ step seconds or why it failed, search seconds) and the counts left out by their 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 
 from autopar.cost_model import ClusterSpec
 
@@ -111,26 +113,94 @@ def lower_bound_s(tables: Sequence[StageCostTable], count: int) -> float | None:
 
 def _grouped_bound_s(tables: Sequence[StageCostTable], count: int) -> float | None:
     """`lower_bound_s` from tables of one layer partition and one set of sub-meshes: the
-    stage DP over each range's largest floor."""
+    stage DP over each range's largest floor (`_crossing_bound_s` where a range's least
+    time depends on the host of the stage before it)."""
     first = tables[0]
+    keys = [(i, j, sub) for i in range(first.num_layers)
+            for j in range(i, first.num_layers) for sub in first.submeshes]
 
-    def floor(t: StageCostTable, key: tuple[int, int, tuple[int, int]]) -> float:
+    def floor(t: StageCostTable, key: tuple[int, int, tuple[int, int]], cross: bool) -> float:
         seconds = t.least_s.get(key)
         if seconds is None:
             return 0.0  # not priced: no bound
+        if cross:
+            seconds = t.cross_s.get(key, seconds)
         scale = t.num_micro_batches / count
         fixed = min(t.fixed_s.get(key, 0.0), seconds)
         return fixed + (seconds - fixed) * scale
 
-    def cost(i: int, j: int, s: int) -> float:
-        return max(floor(t, (i, j, first.submeshes[s])) for t in tables)
-
+    least = {key: max(floor(t, key, False) for t in tables) for key in keys}
+    if any(t.cross_s for t in tables):
+        cross = {key: max(floor(t, key, True) for t in tables) for key in keys}
+        return _crossing_bound_s(first, count, least, cross)
     try:
-        return inter_op.run(first.num_layers, first.submeshes, cost,
+        return inter_op.run(first.num_layers, first.submeshes,
+                            lambda i, j, s: least[(i, j, first.submeshes[s])],
                             num_devices=first.num_devices, num_micro_batches=count,
                             num_stages=first.num_stages).total_s
     except NoStageLayoutError:
         return None
+
+
+Floors = dict[tuple[int, int, tuple[int, int]], float]
+
+
+def _crossing_bound_s(table: StageCostTable, count: int, least: Floors, cross: Floors
+                      ) -> float | None:
+    """The least Σ t_i + (count − 1) · max t_i over the stage layouts of `table`'s layers
+    and sub-meshes (using every device; `num_stages` not fixed), where a stage costs its
+    `least` floor, but in a pipeline of several stages one stage after the first costs its
+    `cross` floor: the stages span several hosts, and a stage inside one host shares it
+    with the stage before only if that one is inside the same host, so somewhere a stage
+    receives from another host.  None: no layout.
+
+    The inter-op DP (`passes.inter_op`) over the largest stage time t, with a second
+    table holding the layouts that have placed that stage."""
+    if table.num_stages is not None:
+        try:
+            return inter_op.run(table.num_layers, table.submeshes,
+                                lambda i, j, s: least[(i, j, table.submeshes[s])],
+                                num_devices=table.num_devices, num_micro_batches=count,
+                                num_stages=table.num_stages).total_s
+        except NoStageLayoutError:
+            return None
+    layers, devices = table.num_layers, table.num_devices
+    sizes = [h * m for h, m in table.submeshes]
+    shape = (layers, layers, len(sizes))
+    f, g = np.full(shape, np.inf), np.full(shape, np.inf)
+    for (i, j, sub), c in least.items():
+        f[i, j, table.submeshes.index(sub)] = c
+        g[i, j, table.submeshes.index(sub)] = cross[(i, j, sub)]
+    whole = [count * f[0, layers - 1, s] for s, size in enumerate(sizes) if size == devices]
+    best = min(whole, default=math.inf)
+    candidates = np.unique(np.concatenate([f[np.isfinite(f)], g[np.isfinite(g)]]))
+    start, chunk = 0, 16
+    while start < len(candidates) and (count - 1) * candidates[start] < best:
+        tv = candidates[start:start + chunk]
+        plain = [np.empty(0)] * (layers + 1)
+        crossed = [np.empty(0)] * (layers + 1)
+        plain[layers] = np.full((devices + 1, len(tv)), np.inf)
+        plain[layers][0] = 0.0
+        crossed[layers] = np.full((devices + 1, len(tv)), np.inf)
+        for k in range(layers - 1, -1, -1):
+            a, b = np.full_like(plain[layers], np.inf), np.full_like(plain[layers], np.inf)
+            for j in range(k, layers):
+                for s, size in enumerate(sizes):
+                    if size > devices:
+                        continue
+                    rest = slice(0, devices + 1 - size)
+                    if np.isfinite(f[k, j, s]):
+                        stage = np.where(tv >= f[k, j, s], f[k, j, s], np.inf)
+                        np.minimum(a[size:], stage + plain[j + 1][rest], out=a[size:])
+                        np.minimum(b[size:], stage + crossed[j + 1][rest], out=b[size:])
+                    if k > 0 and np.isfinite(g[k, j, s]):
+                        stage = np.where(tv >= g[k, j, s], g[k, j, s], np.inf)
+                        np.minimum(b[size:], stage + plain[j + 1][rest], out=b[size:])
+            plain[k], crossed[k] = a, b
+        best = min(best, float(np.min(crossed[0][devices] + (count - 1) * tv)))
+        start += len(tv)
+        chunk *= 2
+    return best if math.isfinite(best) else None
 
 
 def bounded(counts: Sequence[int], evaluate: Callable[[int], float | None],

@@ -134,7 +134,10 @@ class StageCostTable:
     `fixed_s`: per layer range and sub-mesh, seconds per micro-batch of that least time
     that no layout goes below and no micro-batch count changes (its layers'
     `_Priced.fixed_floor_s`; absent: 0), which a bound for more micro-batches keeps
-    unscaled (`micro_batches.lower_bound_s`)."""
+    unscaled (`micro_batches.lower_bound_s`).  `cross_s`: per range on a sub-mesh inside
+    one host of a cluster of several, its least time when the stage before it is on
+    another host (what the range reads from the layer before it arrives over the link
+    between hosts); absent: the same as `least_s`."""
 
     num_micro_batches: int
     num_layers: int
@@ -145,13 +148,16 @@ class StageCostTable:
     step_s: float
     fixed_s: Mapping[tuple[int, int, tuple[int, int]], float] = dataclasses.field(
         default_factory=dict)
+    cross_s: Mapping[tuple[int, int, tuple[int, int]], float] = dataclasses.field(
+        default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"num_micro_batches": self.num_micro_batches, "num_layers": self.num_layers,
                 "num_devices": self.num_devices, "submeshes": [list(s) for s in self.submeshes],
                 "num_stages": self.num_stages, "step_s": self.step_s,
                 "least_s": [[i, j, *sub, c] for (i, j, sub), c in self.least_s.items()],
-                "fixed_s": [[i, j, *sub, c] for (i, j, sub), c in self.fixed_s.items()]}
+                "fixed_s": [[i, j, *sub, c] for (i, j, sub), c in self.fixed_s.items()],
+                "cross_s": [[i, j, *sub, c] for (i, j, sub), c in self.cross_s.items()]}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> StageCostTable:
@@ -159,7 +165,8 @@ class StageCostTable:
             d["num_micro_batches"], d["num_layers"], d["num_devices"],
             tuple((h, m) for h, m in d["submeshes"]), d["num_stages"],
             {(i, j, (h, m)): c for i, j, h, m, c in d["least_s"]}, d["step_s"],
-            {(i, j, (h, m)): c for i, j, h, m, c in d.get("fixed_s", [])})
+            {(i, j, (h, m)): c for i, j, h, m, c in d.get("fixed_s", [])},
+            {(i, j, (h, m)): c for i, j, h, m, c in d.get("cross_s", [])})
 
 
 _recording: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -1109,16 +1116,26 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             received[(i, j)] = [v for v in prog.inputs if v in activations]
         return received[(i, j)]
 
-    def least_stage_s(i: int, j: int, submesh: tuple[int, int]) -> float | None:
+    def least_stage_s(i: int, j: int, submesh: tuple[int, int], cross: bool = False
+                      ) -> float | None:
         """Seconds per micro-batch layers i..j take at least as a stage on `submesh`: its
         fastest time-optimal option (None: none) and its received activations and their
-        cotangents arriving as fast as they can (`least_transfer_s`)."""
+        cotangents arriving as fast as they can (`least_transfer_s`); with `cross`, those
+        made by layer i - 1 (the stage before's last) from another host."""
         layers_s = free_costs.get((i, j, submesh))
         if layers_s is None:
             return None
+        before = range(*ranges[i - 1]) if cross and i > 0 else range(0)
         return layers_s + sum(
-            least_transfer_s(submesh, graph.values[v].nbytes, hosts, per_host, cluster)
+            least_transfer_s(submesh, graph.values[v].nbytes, hosts, per_host, cluster,
+                             cross=graph.values[v].producer in before)
             * (1 + (v in diff)) for v in received_values(i, j))
+
+    def crossing(i: int, j: int, submesh: tuple[int, int]) -> bool:
+        """Whether layers i..j on `submesh` can receive from the stage before on the same
+        host or on another (`StageCostTable.cross_s`)."""
+        return (hosts > 1 and submesh[1] < per_host and i > 0
+                and free_costs.get((i, j, submesh)) is not None)
 
     def fixed_stage_s(i: int, j: int, submesh: tuple[int, int]) -> float:
         """Seconds per micro-batch of `least_stage_s(i, j, submesh)` that no layout and no
@@ -1204,7 +1221,9 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         recorded["stage_costs"] = StageCostTable(
             micro, lay.num_layers, n, tuple(inter_op.submesh_shapes(hosts, per_host)),
             layout.num_stages, {key: least_stage_s(*key) for key in free_costs},
-            step_s, {key: fixed_stage_s(*key) for key in free_costs}).to_json()
+            step_s, {key: fixed_stage_s(*key) for key in free_costs},
+            {key: least_stage_s(*key, cross=True) for key in free_costs
+             if crossing(*key)}).to_json()
     return Plan(
         fingerprint=fp, method=method.name, cluster=cluster.name, mesh_shape=(n,),
         mesh_axes=("x",), device_ids=tuple(device_ids), input_names=tuple(input_names),
@@ -1315,15 +1334,16 @@ def transfer_s(nbytes: float, src_devices: int, dst_devices: int, link: Link) ->
 
 
 def least_transfer_s(submesh: tuple[int, int], nbytes: float, hosts: int, per_host: int,
-                     cluster: ClusterSpec) -> float:
+                     cluster: ClusterSpec, cross: bool = False) -> float:
     """The fewest seconds a stage on `submesh` (of a `hosts` x `per_host` cluster) can take
     to receive a value of `nbytes` from another stage: each of its devices copying at most
     its own share, 1/size of the value (`transfer_cost.price_transfer`: a sender of as many
     devices copies each device's shard, one of another size whole copies; the re-layouts
     on either side cost >= 0), over the fastest link its sender can be behind (another
-    host's, when the stage holds whole hosts: `_stage_link`)."""
+    host's, when the stage holds whole hosts: `_stage_link`; with `cross`, the sender is
+    known to be on another host)."""
     size = submesh[0] * submesh[1]
-    links = ([cluster.inter_host] if hosts > 1 and submesh[1] == per_host
+    links = ([cluster.inter_host] if hosts > 1 and (submesh[1] == per_host or cross)
              else [cluster.intra_host] + ([cluster.inter_host] if hosts > 1 else []))
     return min(send_recv_s(nbytes / size, 2, link) for link in links)
 
