@@ -113,8 +113,8 @@ def lower_bound_s(tables: Sequence[StageCostTable], count: int) -> float | None:
 
 def _grouped_bound_s(tables: Sequence[StageCostTable], count: int) -> float | None:
     """`lower_bound_s` from tables of one layer partition and one set of sub-meshes: the
-    stage DP over each range's largest floor (`_crossing_bound_s` where a range's least
-    time depends on the host of the stage before it)."""
+    stage DP over each range's largest floor (`_pipeline_bound_s`; `inter_op.run` for a
+    fixed stage count)."""
     first = tables[0]
     keys = [(i, j, sub) for i in range(first.num_layers)
             for j in range(i, first.num_layers) for sub in first.submeshes]
@@ -130,9 +130,10 @@ def _grouped_bound_s(tables: Sequence[StageCostTable], count: int) -> float | No
         return fixed + (seconds - fixed) * scale
 
     least = {key: max(floor(t, key, False) for t in tables) for key in keys}
-    if any(t.cross_s for t in tables):
+    if first.num_stages is None:
         cross = {key: max(floor(t, key, True) for t in tables) for key in keys}
-        return _crossing_bound_s(first, count, least, cross)
+        tied = {sub: max(t.tied_s.get(sub, 0.0) for t in tables) for sub in first.submeshes}
+        return _pipeline_bound_s(first, count, least, cross, tied)
     try:
         return inter_op.run(first.num_layers, first.submeshes,
                             lambda i, j, s: least[(i, j, first.submeshes[s])],
@@ -145,25 +146,21 @@ def _grouped_bound_s(tables: Sequence[StageCostTable], count: int) -> float | No
 Floors = dict[tuple[int, int, tuple[int, int]], float]
 
 
-def _crossing_bound_s(table: StageCostTable, count: int, least: Floors, cross: Floors
-                      ) -> float | None:
-    """The least Σ t_i + (count − 1) · max t_i over the stage layouts of `table`'s layers
-    and sub-meshes (using every device; `num_stages` not fixed), where a stage costs its
-    `least` floor, but in a pipeline of several stages one stage after the first costs its
-    `cross` floor: the stages span several hosts, and a stage inside one host shares it
-    with the stage before only if that one is inside the same host, so somewhere a stage
-    receives from another host.  None: no layout.
+def _pipeline_bound_s(table: StageCostTable, count: int, least: Floors, cross: Floors,
+                      tied: dict[tuple[int, int], float]) -> float | None:
+    """The least Σ t_i + (count − 1) · max t_i (+ per-step moves) over the stage layouts of
+    `table`'s layers and sub-meshes using every device (any number of stages), where a
+    stage costs its `least` floor, but in a pipeline of several stages
 
-    The inter-op DP (`passes.inter_op`) over the largest stage time t, with a second
-    table holding the layouts that have placed that stage."""
-    if table.num_stages is not None:
-        try:
-            return inter_op.run(table.num_layers, table.submeshes,
-                                lambda i, j, s: least[(i, j, table.submeshes[s])],
-                                num_devices=table.num_devices, num_micro_batches=count,
-                                num_stages=table.num_stages).total_s
-        except NoStageLayoutError:
-            return None
+    * one stage after the first costs its `cross` floor (`StageCostTable.cross_s`; the
+      same as `least` on one host): the stages span several hosts, and a stage inside one
+      host shares it with the stage before only if that one is inside the same host, so
+      somewhere a stage receives from another host;
+    * the step moves the parameters the first and the last layer share, `tied` seconds
+      by the last stage's sub-mesh (`StageCostTable.tied_s`).
+
+    None: no layout.  The inter-op DP (`passes.inter_op`) over the largest stage time t,
+    with a second table holding the layouts that have placed the cross-host stage."""
     layers, devices = table.num_layers, table.num_devices
     sizes = [h * m for h, m in table.submeshes]
     shape = (layers, layers, len(sizes))
@@ -189,12 +186,14 @@ def _crossing_bound_s(table: StageCostTable, count: int, least: Floors, cross: F
                     if size > devices:
                         continue
                     rest = slice(0, devices + 1 - size)
+                    # the last of several stages also pays the per-step moves
+                    moves = tied[table.submeshes[s]] if k > 0 and j == layers - 1 else 0.0
                     if np.isfinite(f[k, j, s]):
-                        stage = np.where(tv >= f[k, j, s], f[k, j, s], np.inf)
+                        stage = np.where(tv >= f[k, j, s], f[k, j, s] + moves, np.inf)
                         np.minimum(a[size:], stage + plain[j + 1][rest], out=a[size:])
                         np.minimum(b[size:], stage + crossed[j + 1][rest], out=b[size:])
                     if k > 0 and np.isfinite(g[k, j, s]):
-                        stage = np.where(tv >= g[k, j, s], g[k, j, s], np.inf)
+                        stage = np.where(tv >= g[k, j, s], g[k, j, s] + moves, np.inf)
                         np.minimum(b[size:], stage + plain[j + 1][rest], out=b[size:])
             plain[k], crossed[k] = a, b
         best = min(best, float(np.min(crossed[0][devices] + (count - 1) * tv)))

@@ -137,7 +137,9 @@ class StageCostTable:
     unscaled (`micro_batches.lower_bound_s`).  `cross_s`: per range on a sub-mesh inside
     one host of a cluster of several, its least time when the stage before it is on
     another host (what the range reads from the layer before it arrives over the link
-    between hosts); absent: the same as `least_s`."""
+    between hosts); absent: the same as `least_s`.  `tied_s`: per sub-mesh of the last
+    stage of a pipeline of several, the least seconds per step of moving the parameters
+    the first and the last layer both read to it and their gradients back (absent: 0)."""
 
     num_micro_batches: int
     num_layers: int
@@ -150,6 +152,7 @@ class StageCostTable:
         default_factory=dict)
     cross_s: Mapping[tuple[int, int, tuple[int, int]], float] = dataclasses.field(
         default_factory=dict)
+    tied_s: Mapping[tuple[int, int], float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"num_micro_batches": self.num_micro_batches, "num_layers": self.num_layers,
@@ -157,7 +160,8 @@ class StageCostTable:
                 "num_stages": self.num_stages, "step_s": self.step_s,
                 "least_s": [[i, j, *sub, c] for (i, j, sub), c in self.least_s.items()],
                 "fixed_s": [[i, j, *sub, c] for (i, j, sub), c in self.fixed_s.items()],
-                "cross_s": [[i, j, *sub, c] for (i, j, sub), c in self.cross_s.items()]}
+                "cross_s": [[i, j, *sub, c] for (i, j, sub), c in self.cross_s.items()],
+                "tied_s": [[*sub, c] for sub, c in self.tied_s.items()]}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> StageCostTable:
@@ -166,7 +170,8 @@ class StageCostTable:
             tuple((h, m) for h, m in d["submeshes"]), d["num_stages"],
             {(i, j, (h, m)): c for i, j, h, m, c in d["least_s"]}, d["step_s"],
             {(i, j, (h, m)): c for i, j, h, m, c in d.get("fixed_s", [])},
-            {(i, j, (h, m)): c for i, j, h, m, c in d.get("cross_s", [])})
+            {(i, j, (h, m)): c for i, j, h, m, c in d.get("cross_s", [])},
+            {(h, m): c for h, m, c in d.get("tied_s", [])})
 
 
 _recording: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -1131,6 +1136,21 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                              cross=graph.values[v].producer in before)
             * (1 + (v in diff)) for v in received_values(i, j))
 
+    def tied_step_s(submesh: tuple[int, int]) -> float:
+        """Seconds per step a pipeline of several stages, its last on `submesh`, spends at
+        least moving the parameters that the first and the last layer both read (a tied
+        embedding) from the first stage to the last, and their gradients back: each device
+        of the receiving stage copies at least its share (`least_transfer_s`; the first
+        stage has at most the devices the last leaves)."""
+        size = submesh[0] * submesh[1]
+        shared = set(layer_programs[0].inputs) & set(layer_programs[-1].inputs) & params
+        if lay.num_layers < 2 or size >= n:
+            return 0.0
+        return sum(least_transfer_s(submesh, graph.values[v].nbytes, hosts, per_host, cluster)
+                   + (least_transfer_s(submesh, graph.values[v].nbytes * size / (n - size),
+                                       hosts, per_host, cluster) if v in diff else 0.0)
+                   for v in sorted(shared))
+
     def crossing(i: int, j: int, submesh: tuple[int, int]) -> bool:
         """Whether layers i..j on `submesh` can receive from the stage before on the same
         host or on another (`StageCostTable.cross_s`)."""
@@ -1223,7 +1243,9 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             layout.num_stages, {key: least_stage_s(*key) for key in free_costs},
             step_s, {key: fixed_stage_s(*key) for key in free_costs},
             {key: least_stage_s(*key, cross=True) for key in free_costs
-             if crossing(*key)}).to_json()
+             if crossing(*key)},
+            {sub: tied_step_s(sub) for sub in inter_op.submesh_shapes(hosts, per_host)
+             if tied_step_s(sub)}).to_json()
     return Plan(
         fingerprint=fp, method=method.name, cluster=cluster.name, mesh_shape=(n,),
         mesh_axes=("x",), device_ids=tuple(device_ids), input_names=tuple(input_names),

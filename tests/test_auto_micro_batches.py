@@ -151,7 +151,8 @@ def test_count_free_values_are_the_parameters_own_work():
 def test_a_pipeline_over_several_hosts_receives_from_another_host_somewhere():
     """Two hosts of two devices: two stages of (1, 2) are on different hosts, so the second
     takes its cross-host time (5 s, not 2 s): 2 + 5 + 3 x 5 s at 4 micro-batches, against
-    4 x 10 s for one stage over both hosts."""
+    4 x 10 s for one stage over both hosts; a parameter the two stages share adds its
+    moves once."""
     least = {(0, 1, (2, 2)): 10.0, (0, 0, (1, 2)): 2.0, (1, 1, (1, 2)): 2.0}
     table = pipeline_planner.StageCostTable(4, 2, 4, ((1, 1), (1, 2), (2, 2)), None, least,
                                             22.0, {}, {(1, 1, (1, 2)): 5.0})
@@ -160,12 +161,15 @@ def test_a_pipeline_over_several_hosts_receives_from_another_host_somewhere():
         == pytest.approx(10.0)
     assert micro_batches.lower_bound_s([dataclasses.replace(
         table, least_s={**least, (0, 1, (2, 2)): 5.0})], 4) == pytest.approx(20.0)
+    # moving a tied parameter to the last stage and its gradient back: once per step
+    assert micro_batches.lower_bound_s([dataclasses.replace(
+        table, tied_s={(1, 2): 1.5})], 4) == pytest.approx(23.5)
 
 
 def test_every_bound_is_below_the_searched_plans_on_several_hosts(tmp_path, monkeypatch):
     """gpt-toy on 4 hosts of 2 V100s: every count's stage costs bound every count at or
-    above it below its searched plan, the cross-host floors included (and never below the
-    bound without them)."""
+    above it below its searched plan, the cross-host floors and the tied embedding's moves
+    included (and never below the bound without them)."""
     monkeypatch.setenv(plan_cache.ENV_VAR, str(tmp_path))
     step, args = models.train_step_and_args("gpt-toy", 16)
     cluster = autopar.ClusterSpec.preset("8x8xV100-16GB").with_devices(4, 2)
@@ -175,9 +179,9 @@ def test_every_bound_is_below_the_searched_plans_on_several_hosts(tmp_path, monk
                  for count in micro_batches.ladder(16)}
     tables = [pipeline_planner.StageCostTable.from_json(p.solver["stage_costs"])
               for p in plans.values()]
-    assert all(t.cross_s for t in tables)
+    assert all(t.cross_s and t.tied_s for t in tables)
     for table in tables:
-        plain = dataclasses.replace(table, cross_s={})
+        plain = dataclasses.replace(table, cross_s={}, tied_s={})
         for count, plan in plans.items():
             bound = micro_batches.lower_bound_s([table], count)
             assert (bound is None) == (count < table.num_micro_batches)
