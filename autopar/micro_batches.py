@@ -98,9 +98,11 @@ def lower_bound_s(tables: Sequence[StageCostTable], count: int) -> float | None:
     the unscaled rest of the part no layout and no count changes (`StageCostTable.fixed_s`:
     a time t = f + r, f that part, is at `count` at least f + ratio · r); each table gives
     such a floor, and the largest holds.  The stage DP over those floors (Σ t_i +
-    (count − 1) · max t_i: the plan's objective without its memory, re-layouts and per-step
-    moves, each >= 0) bounds every plan of `count` micro-batches from below.  Tables of
-    other layer partitions or sub-meshes are bounded apart, the largest bound kept."""
+    (count − 1) · max t_i: the plan's objective without its memory, re-layouts and most
+    per-step moves, each >= 0; over several hosts with one stage's activations from
+    another host and the tied parameters' moves, `_pipeline_bound_s`) bounds every plan of
+    `count` micro-batches from below.  Tables of other layer partitions or sub-meshes are
+    bounded apart, the largest bound kept."""
     below = [t for t in tables if t.num_micro_batches <= count]
     if not below:
         return None
@@ -170,36 +172,48 @@ def _pipeline_bound_s(table: StageCostTable, count: int, least: Floors, cross: F
         g[i, j, table.submeshes.index(sub)] = cross[(i, j, sub)]
     whole = [count * f[0, layers - 1, s] for s, size in enumerate(sizes) if size == devices]
     best = min(whole, default=math.inf)
+    moves = np.array([tied[sub] for sub in table.submeshes])
     candidates = np.unique(np.concatenate([f[np.isfinite(f)], g[np.isfinite(g)]]))
     start, chunk = 0, 16
     while start < len(candidates) and (count - 1) * candidates[start] < best:
         tv = candidates[start:start + chunk]
-        plain = [np.empty(0)] * (layers + 1)
-        crossed = [np.empty(0)] * (layers + 1)
-        plain[layers] = np.full((devices + 1, len(tv)), np.inf)
-        plain[layers][0] = 0.0
-        crossed[layers] = np.full((devices + 1, len(tv)), np.inf)
-        for k in range(layers - 1, -1, -1):
-            a, b = np.full_like(plain[layers], np.inf), np.full_like(plain[layers], np.inf)
-            for j in range(k, layers):
-                for s, size in enumerate(sizes):
-                    if size > devices:
-                        continue
-                    rest = slice(0, devices + 1 - size)
-                    # the last of several stages also pays the per-step moves
-                    moves = tied[table.submeshes[s]] if k > 0 and j == layers - 1 else 0.0
-                    if np.isfinite(f[k, j, s]):
-                        stage = np.where(tv >= f[k, j, s], f[k, j, s] + moves, np.inf)
-                        np.minimum(a[size:], stage + plain[j + 1][rest], out=a[size:])
-                        np.minimum(b[size:], stage + crossed[j + 1][rest], out=b[size:])
-                    if k > 0 and np.isfinite(g[k, j, s]):
-                        stage = np.where(tv >= g[k, j, s], g[k, j, s] + moves, np.inf)
-                        np.minimum(b[size:], stage + plain[j + 1][rest], out=b[size:])
-            plain[k], crossed[k] = a, b
-        best = min(best, float(np.min(crossed[0][devices] + (count - 1) * tv)))
+        sums = _crossed_sums(f, g, moves, sizes, devices, tv)
+        best = min(best, float(np.min(sums + (count - 1) * tv)))
         start += len(tv)
         chunk *= 2
     return best if math.isfinite(best) else None
+
+
+def _crossed_sums(f: np.ndarray, g: np.ndarray, moves: np.ndarray, sizes: Sequence[int],
+                  devices: int, tv: np.ndarray) -> np.ndarray:
+    """Per largest stage time `tv[t]`: the least Σ of stage floors (`f`, or `g` for the
+    cross-host stage; [first layer, last layer, sub-mesh]) over layouts of several stages
+    using `devices` devices, each stage at most `tv[t]`, one stage after the first at its
+    `g` floor, and the last stage paying `moves` (per sub-mesh) once; inf: none."""
+    layers = f.shape[0]
+    # per first layer k: [devices used by layers k.., t] without / with the cross stage
+    plain = [np.empty(0)] * (layers + 1)
+    crossed = [np.empty(0)] * (layers + 1)
+    plain[layers] = np.full((devices + 1, len(tv)), np.inf)
+    plain[layers][0] = 0.0
+    crossed[layers] = np.full((devices + 1, len(tv)), np.inf)
+    for k in range(layers - 1, -1, -1):
+        a, b = np.full_like(plain[layers], np.inf), np.full_like(plain[layers], np.inf)
+        for j in range(k, layers):
+            for s, size in enumerate(sizes):
+                if size > devices:
+                    continue
+                rest = slice(0, devices + 1 - size)
+                extra = moves[s] if k > 0 and j == layers - 1 else 0.0
+                if np.isfinite(f[k, j, s]):
+                    stage = np.where(tv >= f[k, j, s], f[k, j, s] + extra, np.inf)
+                    np.minimum(a[size:], stage + plain[j + 1][rest], out=a[size:])
+                    np.minimum(b[size:], stage + crossed[j + 1][rest], out=b[size:])
+                if k > 0 and np.isfinite(g[k, j, s]):
+                    stage = np.where(tv >= g[k, j, s], g[k, j, s] + extra, np.inf)
+                    np.minimum(b[size:], stage + plain[j + 1][rest], out=b[size:])
+        plain[k], crossed[k] = a, b
+    return crossed[0][devices]
 
 
 def bounded(counts: Sequence[int], evaluate: Callable[[int], float | None],
