@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import generated
 import jax
 import numpy as np
 
 import autopar
 from autopar.cost_model import hlo_audit
 from autopar.passes import strategies as st
-
-import generated
 
 
 def _info(in_shapes, out_shape):
