@@ -146,9 +146,10 @@ def replicated_strategy(info: EqnInfo, mesh: MeshContext, name: str = "replicate
 def largest_operand(info: EqnInfo) -> int | None:
     """The operand to follow: not fixed, then not a broadcast, then the most ranks, then
     the most dims the output has whole (not a size-1 dim the op stretches), then largest,
-    then first.  A LayerNorm's `x̂ [B,S,1] * scale [1,1,D]` follows x̂ however B·S compares
-    with D: led by the scale, the output could never split the batch (a micro-batch of 8
-    rows of 4 tokens against D = 40 flipped it, and the plan gathered every micro-batch)."""
+    then first.  Flax's LayerNorm `rsqrt(var) [B,S,1] * scale [1,1,D]` follows its rows
+    however B·S compares with D: led by the scale, the output could never split the batch
+    (a micro-batch of 8 rows of 4 tokens against D = 40 flipped it, and the plan gathered
+    every micro-batch)."""
     best, key = None, None
     out = info.out_shapes[0] if info.out_shapes else ()
     for i, (shape, fixed) in enumerate(zip(info.in_shapes, info.in_fixed)):

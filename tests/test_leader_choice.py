@@ -1,7 +1,7 @@
 """Which operand an elementwise follower follows (`strategies.largest_operand`).
 
-A LayerNorm multiplies its normalized rows x̂ [B, S, 1] by its scale [1, 1, D]; the output
-[B, S, D] must be able to keep the batch split, so x̂ leads whatever B·S is against D.  When
+Flax's LayerNorm multiplies rsqrt(var) [B, S, 1] by its scale [1, 1, D]; the output
+[B, S, D] must be able to keep the batch split, so the rows lead whatever B·S is against D.  When
 the scale led (micro-batches of 8 rows of 4 tokens against D = 40), the whole LayerNorm and
 its backward joined the scale parameter's ILP node, and the plan gathered every micro-batch.
 """
