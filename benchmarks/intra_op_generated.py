@@ -45,7 +45,7 @@ import autopar
 from autopar.cost_model import ClusterSpec
 from benchmarks import alpa_cases as ac
 from benchmarks import intra_op_reference as ref
-from benchmarks.stamp import stamp, stamp_markdown
+from benchmarks.stamp import stamp
 from benchmarks.toy import micro_batched_value_and_grad, run_steps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,11 +63,6 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else (1.0 if a == 0 else float("inf"))
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if xs else float("nan")
-
-
 def local_cluster() -> ClusterSpec:
     """This machine's cost model for its first 4 devices."""
     return ClusterSpec.from_devices(jax.devices()[:ref.DEVICES])
@@ -81,7 +76,7 @@ def run_one(case: generated.Case, run: str, time_limit_s: float) -> dict:
     `STEPS` steps against the single-device jitted ones."""
     cluster_name, shape, micro = RUNS[run]
     cluster = CLUSTERS[cluster_name]()
-    mesh = ref._mesh(shape)
+    mesh = ref.mesh_of(shape)
     grad = jax.value_and_grad if micro == 1 else micro_batched_value_and_grad(micro)
     state, batch = case.init(), case.batch(0)
     dp = ref.run_reference(ac.Built(case.make_step(grad), state, batch), "dp", mesh, cluster)
@@ -93,7 +88,7 @@ def run_one(case: generated.Case, run: str, time_limit_s: float) -> dict:
     plan = par.get_plan(state, batch)
     plan_s = time.perf_counter() - t0
     compiled = par.lower(state, batch).compile()
-    mine = ref._audit(compiled, plan.mesh_shape, plan.mesh_axes, plan.device_ids, cluster)
+    mine = ref.audit_compiled(compiled, plan.mesh_shape, plan.mesh_axes, plan.device_ids, cluster)
     measure = "comm_bytes_s" if cluster_name == "bytes" else "total_s"
     got = run_steps(par, case.init(), [case.batch(i) for i in range(STEPS)])
     same = generated.compare(generated.reference(case, micro, STEPS),
@@ -116,10 +111,10 @@ def _summary(rows: list[dict]) -> dict:
     return {"runs": len(rows), "meets": sum(r["meets"] for r in rows),
             "equal": sum(r["equal"] for r in rows),
             "fallbacks": sum(bool(r["fallbacks"]) for r in rows),
-            "worst_ratio": max(ratios, default=float("nan")), "median_ratio": _median(ratios),
+            "worst_ratio": max(ratios, default=float("nan")), "median_ratio": ref.median(ratios),
             "priced_low": min(priced, default=float("nan")),
             "priced_high": max(priced, default=float("nan")),
-            "priced_median": _median(priced)}
+            "priced_median": ref.median(priced)}
 
 
 def _family_table(rows: list[dict]) -> list[str]:
@@ -136,11 +131,8 @@ def _family_table(rows: list[dict]) -> list[str]:
 def markdown(rows: list[dict], meta: dict, wall_s: float) -> str:
     s = _summary(rows)
     lines = [
-        "# Intra-op plans on generated models against data parallel",
-        "",
-        stamp_markdown(meta),
-        "",
-        __doc__.split("\n\n")[2].replace("\n", " ").strip(),
+        *ref.page_head("Intra-op plans on generated models against data parallel", meta,
+                       __doc__),
         "",
         f"**{s['meets']} of {s['runs']} runs within {ref.GOAL:.2f}x of the data-parallel "
         f"plan** (worst {s['worst_ratio']:.3f}x, median {s['median_ratio']:.3f}x); "
@@ -170,8 +162,8 @@ def markdown(rows: list[dict], meta: dict, wall_s: float) -> str:
     for r in rows:
         a, d = r["autopar"], r["dp"]
         lines.append(
-            f"| {r['case']} | {r['run']} | {ref._counts(a['counts'])} | "
-            f"{a['comm_bytes_s']:.4g} | {a['total_s']:.4g} | {ref._counts(d['counts'])} | "
+            f"| {r['case']} | {r['run']} | {ref.counts_text(a['counts'])} | "
+            f"{a['comm_bytes_s']:.4g} | {a['total_s']:.4g} | {ref.counts_text(d['counts'])} | "
             f"{d['comm_bytes_s']:.4g} | {d['total_s']:.4g} | {r['ratio']:.3f} | "
             f"{r['predicted_over_compiled']:.3f} | {'yes' if r['equal'] else 'NO'} | "
             f"{len(r['fallbacks'])} |")

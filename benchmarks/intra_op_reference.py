@@ -126,7 +126,7 @@ def comm_only_cluster() -> ClusterSpec:
                                memory_bandwidth_bytes_per_s=HUGE)
 
 
-def _mesh(shape: tuple[int, ...]) -> Mesh:
+def mesh_of(shape: tuple[int, ...]) -> Mesh:
     names = ("x",) if len(shape) == 1 else ("a", "b")
     devices = np.array(jax.devices()[:DEVICES]).reshape(shape)
     return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(shape))
@@ -161,7 +161,7 @@ def _reference_layouts(name: str, mesh: Mesh) -> tuple[tuple, tuple, tuple[str, 
     return megatron, every, ()
 
 
-def _audit(compiled, mesh_shape, mesh_axes, device_ids, cluster) -> dict:
+def audit_compiled(compiled, mesh_shape, mesh_axes, device_ids, cluster) -> dict:
     found = hlo_audit.audit(compiled, mesh_shape, mesh_axes, device_ids)
     counts: dict[str, int] = {}
     for c in found.collectives:
@@ -192,7 +192,7 @@ def run_reference(case_built: ac.Built, name: str, mesh: Mesh, cluster: ClusterS
                      out_shardings=(state_sh, NamedSharding(mesh, P())))
     compiled = jitted.lower(case_built.state, case_built.batch).compile()
     ids = [d.id for d in mesh.devices.flat]
-    return _audit(compiled, tuple(mesh.devices.shape), tuple(mesh.axis_names), ids, cluster)
+    return audit_compiled(compiled, tuple(mesh.devices.shape), tuple(mesh.axis_names), ids, cluster)
 
 
 def _max_rel_error(got, want) -> float:
@@ -238,7 +238,7 @@ def run_autopar(case: Case, built: ac.Built, mesh_shape: tuple[int, ...],
     plan = par.get_plan(built.state, built.batch)
     plan_s = time.perf_counter() - start
     compiled = par.lower(built.state, built.batch).compile()
-    out = _audit(compiled, plan.mesh_shape, plan.mesh_axes, plan.device_ids, cluster)
+    out = audit_compiled(compiled, plan.mesh_shape, plan.mesh_axes, plan.device_ids, cluster)
     err = _check_equal(case, shape=mesh_shape, cluster=cluster, time_limit_s=time_limit_s)
     return {**out, "predicted_comm_s": plan.predicted.comm_s, "plan_s": plan_s,
             "error_over_tolerance": err, "equal": err <= 1.0,
@@ -248,7 +248,7 @@ def run_autopar(case: Case, built: ac.Built, mesh_shape: tuple[int, ...],
 def run_case(case: Case, mesh_name: str, cluster: ClusterSpec, time_limit_s: float) -> dict:
     shape = MESHES[mesh_name]
     built = case.build()
-    mesh = _mesh(shape)
+    mesh = mesh_of(shape)
     refs = {}
     for name in case.references:
         got = run_reference(built, name, mesh, cluster)
@@ -264,10 +264,23 @@ def run_case(case: Case, mesh_name: str, cluster: ClusterSpec, time_limit_s: flo
             "best_reference": best, "ratio": ratio, "meets": ratio <= GOAL}
 
 
-def _counts(counts: dict[str, int]) -> str:
+def counts_text(counts: dict[str, int]) -> str:
     short = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS",
              "all-to-all": "A2A", "collective-permute": "CP"}
     return " ".join(f"{n} {short.get(k, k)}" for k, n in sorted(counts.items())) or "none"
+
+
+def median(xs) -> float:
+    """The upper median of `xs` (nan when empty)."""
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def page_head(title: str, meta: dict, doc: str) -> list[str]:
+    """A results page's first lines: its title, the run's stamp and the module docstring's
+    third paragraph (what the page measures) on one line."""
+    return [f"# {title}", "", stamp_markdown(meta), "",
+            doc.split("\n\n")[2].replace("\n", " ").strip()]
 
 
 def markdown(rows: list[dict], meta: dict, wall_s: float) -> str:
@@ -275,14 +288,11 @@ def markdown(rows: list[dict], meta: dict, wall_s: float) -> str:
     equal = sum(r["autopar"]["equal"] for r in rows)
     ratios = sorted(r["ratio"] for r in rows)
     lines = [
-        "# Intra-op plans against the hand-written plans of Alpa's tests",
-        "",
-        stamp_markdown(meta),
-        "",
-        __doc__.split("\n\n")[2].replace("\n", " ").strip(),
+        *page_head("Intra-op plans against the hand-written plans of Alpa's tests", meta,
+                   __doc__),
         "",
         f"**{met} of {len(rows)} runs within {GOAL:.2f}x of the best reference plan's "
-        f"communication**; worst {ratios[-1]:.3f}x, median {ratios[len(ratios) // 2]:.3f}x; "
+        f"communication**; worst {ratios[-1]:.3f}x, median {median(ratios):.3f}x; "
         f"{equal} of {len(rows)} equal to the single-device jax.jit step (|got - ref| <= "
         f"{ATOL} + {RTOL}·|ref|, 2 SGD steps). {wall_s / 60:.1f} min in all.",
         "",
@@ -303,8 +313,8 @@ def markdown(rows: list[dict], meta: dict, wall_s: float) -> str:
         a, ref = r["autopar"], r["references"][r["best_reference"]]
         pred = a["predicted_comm_s"] / a["comm_bytes_s"] if a["comm_bytes_s"] else float("nan")
         lines.append(
-            f"| {r['case']} | {r['mesh']} | {r['expects']} | {_counts(a['counts'])} | "
-            f"{a['comm_bytes_s']:,.0f} | {r['best_reference']} | {_counts(ref['counts'])} | "
+            f"| {r['case']} | {r['mesh']} | {r['expects']} | {counts_text(a['counts'])} | "
+            f"{a['comm_bytes_s']:,.0f} | {r['best_reference']} | {counts_text(ref['counts'])} | "
             f"{ref['comm_bytes_s']:,.0f} | {r['ratio']:.3f} | {pred:.3f} | "
             f"{'yes' if a['equal'] else 'NO'} |")
     lines += ["", "Every reference compiled, bytes:", "",
@@ -344,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             a = row["autopar"]
             print(f"{case.name:14} {mesh_name:4} autopar {a['comm_bytes_s']:>12,.0f} "
-                  f"({_counts(a['counts'])})  best ref {row['best_reference']:>24} "
+                  f"({counts_text(a['counts'])})  best ref {row['best_reference']:>24} "
                   f"{row['references'][row['best_reference']]['comm_bytes_s']:>12,.0f}  "
                   f"ratio {row['ratio']:.3f}  equal {a['equal']}", flush=True)
     meta = stamp()

@@ -69,7 +69,7 @@ def test_references_compile_their_layouts(cluster):
     of the [batch, hidden] activations (plus the input batch gathered), no gradient
     all-reduce; the data-parallel reference one all-reduce of every gradient."""
     built = CASES["mlp-mp"].build()
-    mesh = ior._mesh((4,))
+    mesh = ior.mesh_of((4,))
     megatron = ior.run_reference(built, "megatron", mesh, cluster)
     assert megatron["counts"].get("all-reduce") == 5, megatron
     act = 32 * 256 * 4
