@@ -1244,8 +1244,8 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             step_s, {key: fixed_stage_s(*key) for key in free_costs},
             {key: least_stage_s(*key, cross=True) for key in free_costs
              if crossing(*key)},
-            {sub: tied_step_s(sub) for sub in inter_op.submesh_shapes(hosts, per_host)
-             if tied_step_s(sub)}).to_json()
+            {sub: t for sub in inter_op.submesh_shapes(hosts, per_host)
+             if (t := tied_step_s(sub))}).to_json()
     return Plan(
         fingerprint=fp, method=method.name, cluster=cluster.name, mesh_shape=(n,),
         mesh_axes=("x",), device_ids=tuple(device_ids), input_names=tuple(input_names),
