@@ -87,6 +87,13 @@ def parts() -> list[Part]:
     out.append(Part("solver_iopddl", (("benchmarks.solver_iopddl",),),
                     ("solver_iopddl.md", "solver_iopddl.json"),
                     lambda: _iopddl_missing("G", "A", "M", "S")))
+    # Issue 47's robustness check: A, M and S twice, each solve beside 2 busy processes.
+    out.append(Part("solver_iopddl_busy", (("benchmarks.solver_iopddl", "--instances", "A,M,S",
+                                            "--repeat", "2", "--busy", "2",
+                                            "--bound-time-scale", "0",
+                                            "--out", "solver_iopddl_busy"),),
+                    ("solver_iopddl_busy.md", "solver_iopddl_busy.json"),
+                    lambda: _iopddl_missing("A", "M", "S")))
     out.append(Part("solver_tb2_settings", (("benchmarks.solver_tb2_settings",),),
                     ("solver_tb2_settings.md", "solver_tb2_settings.json"), _tb2_settings_skip))
     # Hours on 2 cores (300 generated cases, each under 4 methods): after the rest.

@@ -2,19 +2,28 @@
 
     python -m benchmarks.solver_iopddl [--instances G,A,M,S] [--time-scale 1.0] [--dir D]
         [--backend toulbar2 (default when installed)] [--bound-time-scale 1.0] [--merge]
+        [--repeat 1] [--busy 0] [--out solver_iopddl]
 
 Writes benchmarks/results/solver_iopddl.{md,json}: per instance the cost of solve()'s
 answer within the contest limit, its ratio to the best known cost, and a proven lower
 bound (solve()'s own when it proves optimality, else the Lagrangian bound of
 benchmarks/solver_experiments/lagrange.py computed afterwards in its own budget) against
 the best known lower bound.
+
+Robustness under load: `--busy K` keeps K busy-looping processes running through every
+solve (K = 2 on a 2-core machine leaves the solver half the CPU the contest limits assume),
+`--repeat N` solves every instance N times, and `--out NAME` writes
+benchmarks/results/NAME.{md,json} instead, with the worst ratio of each instance over its
+runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
+import subprocess
 import sys
 import time
 
@@ -44,6 +53,27 @@ KNOWN_BOUND = {
 def _fail(msg: str) -> None:
     print(f"solver_iopddl: {msg}", file=sys.stderr)
     raise SystemExit(2)
+
+
+@contextlib.contextmanager
+def busy(processes: int):
+    """Keeps `processes` busy-looping Python processes running for the block's duration.
+
+    They are terminated (killed after 5 s) when the block ends, also on an exception.
+    """
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                 stdin=subprocess.DEVNULL) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for proc in spinners:
+            proc.terminate()
+        for proc in spinners:
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5.0)
 
 
 def run_instance(path: pathlib.Path, name: str, limit: float, backend: str,
@@ -79,9 +109,19 @@ def run_instance(path: pathlib.Path, name: str, limit: float, backend: str,
     }
 
 
+def worst_by_instance(rows: list[dict]) -> dict[str, float]:
+    """The highest ratio to the best known cost of each instance over its runs."""
+    worst: dict[str, float] = {}
+    for r in rows:
+        worst[r["instance"]] = max(worst.get(r["instance"], 0.0), r["ratio_to_best"])
+    return worst
+
+
 def markdown(rows: list[dict], args, meta: dict) -> str:
+    runs = max(r.get("run", 1) for r in rows)
     lines = [
-        "# autopar solver on the IOPDDL contest instances",
+        "# autopar solver on the IOPDDL contest instances"
+        + (f", {args.busy} busy processes beside it" if args.busy else ""),
         "",
         stamp_markdown(meta)
         + (" Rows of instances not run this time are kept from an earlier run (--merge)."
@@ -94,26 +134,35 @@ def markdown(rows: list[dict], args, meta: dict) -> str:
         "Lower bound: solve()'s proof when it proves optimality, else the Lagrangian bound "
         "(lagrange.py: memory prices, toulbar2's bound on each subproblem, or the pairwise "
         "LP's dual where toulbar2 bounds worse) computed after "
-        "the solve in `bound s`; bound / known = our bound / the best known bound.",
+        "the solve in `bound s`; bound / known = our bound / the best known bound."
+        + (f" Every solve ran beside {args.busy} busy-looping processes (`--busy "
+           f"{args.busy}`)." if args.busy else "")
+        + (f" Each instance was solved {runs} times (`--repeat {runs}`, column run)."
+           if runs > 1 else ""),
         "",
-        "| instance | limit s | best known cost (source) | known lower bound (source) "
+        "| instance " + ("| run " if runs > 1 else "")
+        + "| limit s | best known cost (source) | known lower bound (source) "
         "| our cost | ratio to best | our lower bound | bound / known | seconds | bound s "
         "| status | backend |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---" * (12 + (runs > 1)) + "|",
     ]
     for r in rows:
         lb = "–" if r["lower_bound"] is None else f"{r['lower_bound']:,.0f}"
         bk = "–" if r["bound_vs_known"] is None else f"{r['bound_vs_known']:.4f}"
         lines.append(
-            f"| {r['instance']} | {r['time_limit_s']:.0f} | {r['best_known']:,.0f} "
+            f"| {r['instance']} " + (f"| {r.get('run', 1)} " if runs > 1 else "")
+            + f"| {r['time_limit_s']:.0f} | {r['best_known']:,.0f} "
             f"({r['best_known_source']}) | {r['known_lower_bound']:,.0f} "
             f"({r['known_lower_bound_source']}) | {r['cost']:,.0f}"
             f"{'' if r['feasible'] else ' (infeasible)'} | {r['ratio_to_best']:.4f} | {lb} "
             f"| {bk} | {r['seconds']} | {r['bound_seconds']} | {r['status']} "
             f"| {r['backend']} |"
         )
-    loads = [f"{r['instance']} {r['load_average_solve'][0]:.1f}" for r in rows
-             if r.get("load_average_solve")]
+    if runs > 1:
+        lines += ["", "Worst ratio to the best known cost over the runs: " + ", ".join(
+            f"{name} {ratio:.4f}" for name, ratio in worst_by_instance(rows).items()) + "."]
+    loads = [f"{r['instance']}{'' if runs == 1 else ' run ' + str(r.get('run', 1))} "
+             f"{r['load_average_solve'][0]:.1f}" for r in rows if r.get("load_average_solve")]
     if loads:
         lines += ["", "Load average (1 min, on 2 cores) when each solve finished: "
                   + ", ".join(loads) + ". Above 2, other jobs shared the cores: the solver "
@@ -132,7 +181,16 @@ def main(argv: list[str] | None = None) -> None:
                     choices=list(BACKENDS))
     ap.add_argument("--merge", action="store_true",
                     help="keep the stored rows of the instances not run this time")
+    ap.add_argument("--repeat", type=int, default=1, help="solves of each instance")
+    ap.add_argument("--busy", type=int, default=0,
+                    help="busy-looping processes kept running beside every solve")
+    ap.add_argument("--out", default="solver_iopddl",
+                    help="results name: benchmarks/results/OUT.{md,json}")
     args = ap.parse_args(argv)
+    if args.repeat < 1 or args.busy < 0:
+        _fail(f"--repeat must be >= 1 and --busy >= 0 (got {args.repeat}, {args.busy})")
+    if args.merge and args.repeat > 1:
+        _fail("--merge keeps one row per instance; it cannot be combined with --repeat")
     names = args.instances.split(",")
     for name in names:
         if name not in TIME_LIMITS_S:
@@ -145,29 +203,31 @@ def main(argv: list[str] | None = None) -> None:
         if not path.is_file():
             _fail(f"instance file {path} does not exist")
     rows = []
-    for name in names:
+    for run, name in ((k, n) for k in range(1, args.repeat + 1) for n in names):
         limit = TIME_LIMITS_S[name] * args.time_scale
-        row = run_instance(paths[name], name, limit, args.backend,
-                           TIME_LIMITS_S[name] * args.bound_time_scale)
+        with busy(args.busy):
+            row = run_instance(paths[name], name, limit, args.backend,
+                               TIME_LIMITS_S[name] * args.bound_time_scale)
         row["load_average"] = _load_average()
+        row["run"], row["busy_processes"] = run, args.busy
         rows.append(row)
-        print(f"{name}: cost={row['cost']:,.0f} ratio={row['ratio_to_best']:.4f} "
+        print(f"{name} (run {run}): cost={row['cost']:,.0f} ratio={row['ratio_to_best']:.4f} "
               f"feasible={row['feasible']} lb={row['lower_bound']} status={row['status']} "
               f"seconds={row['seconds']} (limit {limit:.0f})", flush=True)
     out = REPO / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     meta = stamp()
-    if args.merge and (out / "solver_iopddl.json").exists():
+    json_path, md_path = out / f"{args.out}.json", out / f"{args.out}.md"
+    if args.merge and json_path.exists():
         new = {r["instance"]: r for r in rows}
-        old = json.loads((out / "solver_iopddl.json").read_text())
+        old = json.loads(json_path.read_text())
         old_rows = old["rows"] if isinstance(old, dict) else old   # a list before stamps
         rows = [new.pop(r["instance"], r) for r in old_rows] + list(new.values())
         # Rows kept from an earlier run carry that run's stamp; this run's is `meta`.
         meta["merged_from"] = old.get("meta") if isinstance(old, dict) else None
-    (out / "solver_iopddl.json").write_text(
-        json.dumps({"meta": meta, "rows": rows}, indent=1, default=str) + "\n")
+    json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str) + "\n")
     text = markdown(rows, args, meta)
-    (out / "solver_iopddl.md").write_text(text)
+    md_path.write_text(text)
     print(text)
 
 
