@@ -951,18 +951,25 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         for shape in options[0]:
             if any(shape not in o for o in options):
                 continue
-            priced = aligned(i, j, submesh, level, shape, [o[shape] for o in options])
-            # The layer ILPs priced the updates under the first mode (splitting where it
-            # pays), once per layer reading a parameter: the stage takes theirs off and
-            # prices its own, each parameter once, under each mode ("all": every state
-            # split, for memory).
-            layers_s = (sum(p.cost_s for p in priced) + internal_reshard_s(priced, progs, graph)
-                        - sum(layer_updates_s(k, submesh, p)
-                              for k, p in zip(range(i, j + 1), priced)))
-            for m in modes:
-                out.append(_StageEstimate(
-                    priced, progs, layers_s + updates_s(priced, progs, params, graph,
-                                                        splits[m], micro), splits[m]))
+            free = [o[shape] for o in options]
+            chained = [aligned(i, j, submesh, level, shape, free, True)]
+            if any(a is not b for a, b in zip(chained[0], free)):
+                # The look-ahead chain re-solved a layer: its neighbours' own layouts
+                # disagree, so also try layers that only follow what they receive.
+                chained.append(aligned(i, j, submesh, level, shape, free, False))
+            for priced in chained:
+                # The layer ILPs priced the updates under the first mode (splitting where
+                # it pays), once per layer reading a parameter: the stage takes theirs off
+                # and prices its own, each parameter once, under each mode ("all": every
+                # state split, for memory).
+                layers_s = (sum(p.cost_s for p in priced)
+                            + internal_reshard_s(priced, progs, graph)
+                            - sum(layer_updates_s(k, submesh, p)
+                                  for k, p in enumerate(priced, start=i)))
+                for m in modes:
+                    out.append(_StageEstimate(
+                        priced, progs, layers_s + updates_s(priced, progs, params, graph,
+                                                            splits[m], micro), splits[m]))
         return out
 
     # Each layer's ILP chose the layouts of the values it shares with its neighbours
@@ -977,17 +984,18 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     neighbour_solves: dict[tuple, _Priced | None] = {}
 
     def aligned(i: int, j: int, submesh: tuple[int, int], level: int,
-                shape: tuple[int, ...], free: list[_Priced]) -> list[_Priced]:
+                shape: tuple[int, ...], free: list[_Priced], ahead: bool) -> list[_Priced]:
         """Layers i..j's solutions on `shape`, each aligned to its neighbours in the stage
-        where that is cheaper (`align_layer`)."""
-        inner, made = chains.setdefault((i, submesh, level, shape), ([], {}))
+        where that is cheaper (`align_layer`): to what the layer before made and, `ahead`,
+        to what the next layer's own solution reads."""
+        inner, made = chains.setdefault((i, submesh, level, shape, ahead), ([], {}))
 
         def before(k: int) -> dict[int, tuple[Spec, Spec | None]]:
             return {vid: made[vid] for vid in layer_programs[k].inputs if vid in made}
 
         for k in range(i + len(inner), j):
             p = align_layer(k, submesh, level, shape, free[k - i], before(k),
-                            reads_after(k, submesh, level, shape))
+                            reads_after(k, submesh, level, shape) if ahead else {})
             inner.append(p)
             for n, vid in enumerate(layer_programs[k].outputs):
                 made[vid] = (p.output_specs[n], p.ct_in_specs[n] if p.ct_in_specs else None)
