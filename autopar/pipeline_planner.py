@@ -785,6 +785,17 @@ def _price_side_by_side(range_cost: Callable[[int, int, tuple[int, int]], Any],
             f.result()
 
 
+#: What a stage's layers are aligned to on the side of the next layer (`search`'s
+#: `aligned`), besides what the layer before made: the layouts the next layer's own
+#: solution reads; none (each layer follows what it receives); every value the next layer
+#: reads replicated, a boundary every layer can meet.  Where the layers' own layouts agree,
+#: the first leaves them as they are and the others are not tried; where they disagree at
+#: every boundary (2 rows of a micro-batch split by some layers and not by others), the
+#: first can pay a reshard at every layer and another target gives the faster stage.
+AFTER_OWN, AFTER_NONE, AFTER_WHOLE = "own", "none", "whole"
+AFTER_TARGETS = (AFTER_OWN, AFTER_NONE, AFTER_WHOLE)
+
+
 def _cheapest(options: dict[tuple[int, ...], _Priced]) -> _Priced:
     return min(options.values(), key=lambda p: p.cost_s)
 
@@ -952,11 +963,12 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             if any(shape not in o for o in options):
                 continue
             free = [o[shape] for o in options]
-            chained = [aligned(i, j, submesh, level, shape, free, True)]
+            chained = [aligned(i, j, submesh, level, shape, free, AFTER_OWN)]
             if any(a is not b for a, b in zip(chained[0], free)):
                 # The look-ahead chain re-solved a layer: its neighbours' own layouts
-                # disagree, so also try layers that only follow what they receive.
-                chained.append(aligned(i, j, submesh, level, shape, free, False))
+                # disagree, so also try the other targets (`AFTER_TARGETS`).
+                chained += [aligned(i, j, submesh, level, shape, free, after)
+                            for after in AFTER_TARGETS[1:]]
             for priced in chained:
                 # The layer ILPs priced the updates under the first mode (splitting where
                 # it pays), once per layer reading a parameter: the stage takes theirs off
@@ -984,18 +996,18 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     neighbour_solves: dict[tuple, _Priced | None] = {}
 
     def aligned(i: int, j: int, submesh: tuple[int, int], level: int,
-                shape: tuple[int, ...], free: list[_Priced], ahead: bool) -> list[_Priced]:
-        """Layers i..j's solutions on `shape`, each aligned to its neighbours in the stage
-        where that is cheaper (`align_layer`): to what the layer before made and, `ahead`,
-        to what the next layer's own solution reads."""
-        inner, made = chains.setdefault((i, submesh, level, shape, ahead), ([], {}))
+                shape: tuple[int, ...], free: list[_Priced], after: str) -> list[_Priced]:
+        """Layers i..j's solutions on `shape`, each aligned where that is cheaper
+        (`align_layer`) to what the layer before made and to the layouts `after` names
+        for what the next layer reads (`AFTER_TARGETS`)."""
+        inner, made = chains.setdefault((i, submesh, level, shape, after), ([], {}))
 
         def before(k: int) -> dict[int, tuple[Spec, Spec | None]]:
             return {vid: made[vid] for vid in layer_programs[k].inputs if vid in made}
 
         for k in range(i + len(inner), j):
             p = align_layer(k, submesh, level, shape, free[k - i], before(k),
-                            reads_after(k, submesh, level, shape) if ahead else {})
+                            targets(k, submesh, level, shape, after))
             inner.append(p)
             for n, vid in enumerate(layer_programs[k].outputs):
                 made[vid] = (p.output_specs[n], p.ct_in_specs[n] if p.ct_in_specs else None)
@@ -1015,6 +1027,19 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         made = set(layer_programs[k].outputs)
         return {vid: (nxt.input_specs[n], nxt.ct_out_specs[n] if nxt.ct_out_specs else None)
                 for n, vid in enumerate(prog.inputs) if vid in made}
+
+    def targets(k: int, submesh: tuple[int, int], level: int, shape: tuple[int, ...],
+                after: str) -> dict[int, tuple[Spec, Spec | None]]:
+        """Layer k's outputs that layer k + 1 reads, with the layouts `after` aligns them
+        to (`AFTER_TARGETS`)."""
+        if after == AFTER_OWN:
+            return reads_after(k, submesh, level, shape)
+        if after == AFTER_NONE or k + 1 >= lay.num_layers:
+            return {}
+        made = set(layer_programs[k].outputs)
+        return {vid: (whole, whole if vid in diff else None)
+                for vid in layer_programs[k + 1].inputs if vid in made
+                for whole in [((),) * graph.values[vid].ndim]}
 
     def align_layer(k: int, submesh: tuple[int, int], level: int, shape: tuple[int, ...],
                     free: _Priced, before: dict[int, tuple[Spec, Spec | None]],
