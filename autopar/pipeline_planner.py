@@ -1238,12 +1238,15 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             # and leaves out the per-step moves of values several stages read; the assembly
             # prices both from the chosen layouts.  Where stage sizes differ, the DP's
             # choice can assemble slower than a pipeline of equal sub-meshes, whose
-            # transfers the DP priced from the right device counts: each such pipeline (the
-            # DP restricted to one sub-mesh shape; the hand-written 3-D plans are of this
-            # kind) is assembled too and the fastest kept.
+            # transfers the DP priced from the right device counts, and where the layouts
+            # re-lay out what they send (a relayout per transfer), slower than one stage
+            # over every device, which has no transfers: each such pipeline (the DP
+            # restricted to one sub-mesh shape; the hand-written 3-D plans are of this
+            # kind, and one stage is the whole mesh's) is assembled too and the fastest
+            # kept.
             for submesh in submeshes:
-                if submesh[0] * submesh[1] == n or n % (submesh[0] * submesh[1]):
-                    continue    # one stage over every device: already a DP candidate
+                if n % (submesh[0] * submesh[1]):
+                    continue
                 try:
                     uniform = inter_op.run(lay.num_layers, [submesh],
                                            lambda i, j, s, m=submesh: range_cost(i, j, m),
