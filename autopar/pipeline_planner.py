@@ -796,6 +796,11 @@ AFTER_OWN, AFTER_NONE, AFTER_WHOLE = "own", "none", "whole"
 AFTER_TARGETS = (AFTER_OWN, AFTER_NONE, AFTER_WHOLE)
 
 
+def _same_solutions(a: Sequence[_Priced], b: Sequence[_Priced]) -> bool:
+    """Whether two chains of a stage's layer solutions are the same solutions."""
+    return all(x is y for x, y in zip(a, b, strict=True))
+
+
 def _cheapest(options: dict[tuple[int, ...], _Priced]) -> _Priced:
     return min(options.values(), key=lambda p: p.cost_s)
 
@@ -964,11 +969,14 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                 continue
             free = [o[shape] for o in options]
             chained = [aligned(i, j, submesh, level, shape, free, AFTER_OWN)]
-            if any(a is not b for a, b in zip(chained[0], free)):
+            if not _same_solutions(chained[0], free):
                 # The look-ahead chain re-solved a layer: its neighbours' own layouts
-                # disagree, so also try the other targets (`AFTER_TARGETS`).
-                chained += [aligned(i, j, submesh, level, shape, free, after)
-                            for after in AFTER_TARGETS[1:]]
+                # disagree, so also try the other targets (`AFTER_TARGETS`), each chain
+                # that differs from those before it once.
+                for after in AFTER_TARGETS[1:]:
+                    chain = aligned(i, j, submesh, level, shape, free, after)
+                    if not any(_same_solutions(seen, chain) for seen in chained):
+                        chained.append(chain)
             for priced in chained:
                 # The layer ILPs priced the updates under the first mode (splitting where
                 # it pays), once per layer reading a parameter: the stage takes theirs off
@@ -1262,8 +1270,13 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         raise
     pool.close()  # waits for solves still queued (their answers are cached)
     t_phase = time.perf_counter()
-    assembled = [assemble(c) for c in choices]
-    stages, per_step_s, step_s, transfers = min(assembled, key=lambda a: a[2])
+    # The uniform pipelines often repeat the DP's choice (one stage over every device,
+    # above all): each distinct choice is assembled once, in order.
+    assembled = {}
+    for c in choices:
+        if tuple(c) not in assembled:
+            assembled[tuple(c)] = assemble(c)
+    stages, per_step_s, step_s, transfers = min(assembled.values(), key=lambda a: a[2])
     phases["stage assembly"] = time.perf_counter() - t_phase
     if progress:
         progress(f"stages chosen: {[st.layers for st in stages]}"

@@ -175,8 +175,23 @@ def _plans_and_tables(batch: int, cluster: autopar.ClusterSpec, overrides=None
         plans = {count: autopar.plan(step, *args, cluster=cluster,
                                      method=autopar.PipeshardParallel(num_micro_batches=count))
                  for count in micro_batches.ladder(batch)}
-    return plans, [pipeline_planner.StageCostTable.from_json(p.solver["stage_costs"])
-                   for p in plans.values()]
+    return plans, _tables(plans)
+
+
+def _tables(plans: dict[int, autopar.Plan]) -> list[pipeline_planner.StageCostTable]:
+    """The stage cost table each plan recorded (`pipeline_planner.recording`)."""
+    return [pipeline_planner.StageCostTable.from_json(p.solver["stage_costs"])
+            for p in plans.values()]
+
+
+def _assert_every_bound_below(plans: dict[int, autopar.Plan],
+                              tables: list[pipeline_planner.StageCostTable]) -> None:
+    """Every table bounds every count of `plans` at or below that count's plan."""
+    for table in tables:
+        for count, plan in plans.items():
+            bound = micro_batches.lower_bound_s([table], count)
+            assert bound is None or bound <= plan.predicted.step_s * (1 + 1e-9), \
+                (table.num_micro_batches, count, bound, plan.predicted.step_s)
 
 
 def test_every_bound_is_below_the_searched_plans_in_float16(tmp_path, monkeypatch):
@@ -184,15 +199,10 @@ def test_every_bound_is_below_the_searched_plans_in_float16(tmp_path, monkeypatc
     own layouts disagree at every boundary, and a stage that only aligned each layer to both
     neighbours' own layouts cost 3x B=8's per row (0.127 ms a step against B=8's 0.088 ms),
     above the bound B=4's table gives B=8; the layers that follow what the layer before
-    made (`aligned(..., ahead=False)`) keep it below every larger count's plan."""
+    made (`pipeline_planner.AFTER_NONE`) keep it below every larger count's plan."""
     monkeypatch.setenv(plan_cache.ENV_VAR, str(tmp_path))
     cluster = autopar.ClusterSpec.preset("2x8xV100-16GB").with_devices(1, 4)
-    plans, tables = _plans_and_tables(8, cluster, {"dtype": "float16"})
-    for table in tables:
-        for count, plan in plans.items():
-            bound = micro_batches.lower_bound_s([table], count)
-            assert bound is None or bound <= plan.predicted.step_s * (1 + 1e-9), \
-                (table.num_micro_batches, count, bound, plan.predicted.step_s)
+    _assert_every_bound_below(*_plans_and_tables(8, cluster, {"dtype": "float16"}))
 
 
 def test_every_bound_is_below_the_searched_plans_of_a_tied_embedding(tmp_path, monkeypatch):
@@ -209,12 +219,7 @@ def test_every_bound_is_below_the_searched_plans_of_a_tied_embedding(tmp_path, m
         plans = {count: autopar.parallelize(case.step, method=autopar.PipeshardParallel(
                      num_micro_batches=count, time_limit_s=5.0)).get_plan(state, batch)
                  for count in (8, 16, 32)}
-    for table in (pipeline_planner.StageCostTable.from_json(p.solver["stage_costs"])
-                  for p in plans.values()):
-        for count, plan in plans.items():
-            bound = micro_batches.lower_bound_s([table], count)
-            assert bound is None or bound <= plan.predicted.step_s * (1 + 1e-9), \
-                (table.num_micro_batches, count, bound, plan.predicted.step_s)
+    _assert_every_bound_below(plans, _tables(plans))
     assert plans[16].predicted.step_s < plans[32].predicted.step_s
 
 
