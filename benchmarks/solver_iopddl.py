@@ -61,9 +61,12 @@ def busy(processes: int):
 
     They are terminated (killed after 5 s) when the block ends, also on an exception.
     """
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                                 stdin=subprocess.DEVNULL) for _ in range(processes)]
+    spinners: list[subprocess.Popen] = []
     try:
+        # started inside the block: a failed start still stops the ones already running
+        for _ in range(processes):
+            spinners.append(subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                             stdin=subprocess.DEVNULL))
         yield
     finally:
         for proc in spinners:
@@ -131,10 +134,13 @@ def markdown(rows: list[dict], args, meta: dict) -> str:
         f"{args.time_scale}, 2 cores (shared with other jobs: see the load note below). "
         "seconds = solve() wall clock, model building included, file "
         "loading excluded; limit = the contest's. ratio = our cost / best known cost. "
-        "Lower bound: solve()'s proof when it proves optimality, else the Lagrangian bound "
-        "(lagrange.py: memory prices, toulbar2's bound on each subproblem, or the pairwise "
-        "LP's dual where toulbar2 bounds worse) computed after "
-        "the solve in `bound s`; bound / known = our bound / the best known bound."
+        + ("Lower bound: solve()'s proof when it proves optimality, else the Lagrangian bound "
+           "(lagrange.py: memory prices, toulbar2's bound on each subproblem, or the pairwise "
+           "LP's dual where toulbar2 bounds worse) computed after "
+           "the solve in `bound s`; bound / known = our bound / the best known bound."
+           if args.bound_time_scale > 0 else
+           "Lower bound: solve()'s proof when it proves optimality; no Lagrangian bound was "
+           "computed (`--bound-time-scale 0`), so `–` elsewhere.")
         + (f" Every solve ran beside {args.busy} busy-looping processes (`--busy "
            f"{args.busy}`)." if args.busy else "")
         + (f" Each instance was solved {runs} times (`--repeat {runs}`, column run)."
@@ -189,6 +195,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.repeat < 1 or args.busy < 0:
         _fail(f"--repeat must be >= 1 and --busy >= 0 (got {args.repeat}, {args.busy})")
+    if not args.out or not all(c.isalnum() or c in "-_." for c in args.out) \
+            or args.out.startswith("."):
+        _fail(f"--out must be a file name of letters, digits, '-', '_' or '.' (it is written "
+              f"as benchmarks/results/OUT.md and .json), got {args.out!r}")
     if args.merge and args.repeat > 1:
         _fail("--merge keeps one row per instance; it cannot be combined with --repeat")
     names = args.instances.split(",")
