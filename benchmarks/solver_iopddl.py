@@ -14,7 +14,7 @@ Robustness under load: `--busy K` keeps K busy-looping processes running through
 solve (K = 2 on a 2-core machine leaves the solver half the CPU the contest limits assume),
 `--repeat N` solves every instance N times, and `--out NAME` writes
 benchmarks/results/NAME.{md,json} instead, with the worst ratio of each instance over its
-runs.
+runs.  `--render --out NAME` solves nothing: it rewrites NAME.md from NAME.json.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import pathlib
+import shlex
 import subprocess
 import sys
 import time
@@ -176,7 +177,7 @@ def markdown(rows: list[dict], args, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--instances", default="G,A,M,S")
     ap.add_argument("--time-scale", type=float, default=1.0)
@@ -192,13 +193,41 @@ def main(argv: list[str] | None = None) -> None:
                     help="busy-looping processes kept running beside every solve")
     ap.add_argument("--out", default="solver_iopddl",
                     help="results name: benchmarks/results/OUT.{md,json}")
-    args = ap.parse_args(argv)
+    ap.add_argument("--render", action="store_true",
+                    help="solve nothing: rewrite OUT.md from OUT.json (its rows, its stamp and "
+                    "the options of the command it records)")
+    return ap
+
+
+def render(out: str) -> str:
+    """benchmarks/results/OUT.md written again from OUT.json: the page's text as this module
+    words it now, the rows, stamp and command of the run that wrote the JSON."""
+    json_path = REPO / "benchmarks" / "results" / f"{out}.json"
+    if not json_path.is_file():
+        _fail(f"--render: {json_path} does not exist")
+    data = json.loads(json_path.read_text())
+    if not isinstance(data, dict) or "meta" not in data or "rows" not in data:
+        _fail(f"--render: {json_path} holds no stamp (written before stamps): run it again")
+    words = shlex.split(data["meta"].get("command", ""))
+    if "benchmarks.solver_iopddl" not in words:
+        _fail(f"--render: {json_path}'s stamp records no benchmarks.solver_iopddl command")
+    recorded = _parser().parse_args(words[words.index("benchmarks.solver_iopddl") + 1:])
+    text = markdown(data["rows"], recorded, data["meta"])
+    (json_path.with_suffix(".md")).write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     if args.repeat < 1 or args.busy < 0:
         _fail(f"--repeat must be >= 1 and --busy >= 0 (got {args.repeat}, {args.busy})")
     if not args.out or not all(c.isalnum() or c in "-_." for c in args.out) \
             or args.out.startswith("."):
         _fail(f"--out must be a file name of letters, digits, '-', '_' or '.' (it is written "
               f"as benchmarks/results/OUT.md and .json), got {args.out!r}")
+    if args.render:
+        print(render(args.out))
+        return
     if args.merge and args.repeat > 1:
         _fail("--merge keeps one row per instance; it cannot be combined with --repeat")
     names = args.instances.split(",")

@@ -4,6 +4,7 @@ stays inside benchmarks/results, and the page says which lower bound it holds.""
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 
 import pytest
@@ -54,3 +55,29 @@ def test_the_page_names_the_bound_it_computed(scale, lagrangian):
     text = solver_iopddl.markdown([_row()], args, {"commit": "abc", "command": "cmd"})
     assert ("else the Lagrangian bound" in text) == lagrangian
     assert ("no Lagrangian bound was computed" in text) == (not lagrangian)
+
+
+def test_render_rewrites_the_page_from_its_results_file(monkeypatch, tmp_path):
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    meta = {"commit": "abc1234", "date": "2026-12-02T00:00:00Z", "machine": "test",
+            "command": "python -m benchmarks.solver_iopddl --instances A --busy 2 "
+                       "--bound-time-scale 0 --out busy_page"}
+    (results / "busy_page.json").write_text(json.dumps({"meta": meta, "rows": [_row()]}))
+    monkeypatch.setattr(solver_iopddl, "REPO", tmp_path)
+    solver_iopddl.main(["--render", "--out", "busy_page"])
+    text = (results / "busy_page.md").read_text()
+    assert "2 busy processes beside it" in text           # the recorded command's options
+    assert "no Lagrangian bound was computed" in text
+    assert "abc1234" in text and "| 101 |" in text        # its stamp and its rows
+
+
+def test_render_refuses_a_results_file_without_a_stamp(monkeypatch, tmp_path, capsys):
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "old.json").write_text(json.dumps([_row()]))
+    monkeypatch.setattr(solver_iopddl, "REPO", tmp_path)
+    with pytest.raises(SystemExit):
+        solver_iopddl.main(["--render", "--out", "old"])
+    assert "holds no stamp" in capsys.readouterr().err
+    assert not (results / "old.md").exists()
