@@ -143,8 +143,16 @@ def test_low_precision_parameters_train_through_a_float32_master_copy():
     g32 = jax.tree.map(lambda x: x.astype(np.float32), grads)
     upd, _ = tx.update(g32, tx.init(f32), f32)
     want = optax.apply_updates(f32, upd)
-    for a, b in zip(jax.tree.leaves(new["opt_state"].master), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    # AdamW's first step moves an element by lr·g/(|g| + eps) (+ the decay, the same in
+    # both): where |g| is within a few orders of eps, the rounding of the gradient (XLA fuses
+    # the step's backward differently from `jax.grad` alone, and differently per CPU) moves
+    # that by up to lr.  Elsewhere the two agree to float32 rounding.
+    for a, b, g in zip(jax.tree.leaves(new["opt_state"].master), jax.tree.leaves(want),
+                       jax.tree.leaves(g32), strict=True):
+        a, b, g = np.asarray(a), np.asarray(b), np.asarray(g)
+        steady = np.abs(g) > 1e-6
+        np.testing.assert_allclose(a[steady], b[steady], rtol=1e-6, atol=1e-6)
+        assert np.all(np.abs(a - b) <= 2 * 1e-4 + 1e-6), np.max(np.abs(a - b))
 
     par = autopar.parallelize(step, method=autopar.DataParallel(), donate_argnums=())
     got, got_metrics = par(state, batch)
