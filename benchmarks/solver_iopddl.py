@@ -199,10 +199,15 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _results_dir() -> pathlib.Path:
+    """Where the pages are written (read at call time: tests point REPO elsewhere)."""
+    return REPO / "benchmarks" / "results"
+
+
 def render(out: str) -> str:
     """benchmarks/results/OUT.md written again from OUT.json: the page's text as this module
     words it now, the rows, stamp and command of the run that wrote the JSON."""
-    json_path = REPO / "benchmarks" / "results" / f"{out}.json"
+    json_path = _results_dir() / f"{out}.json"
     if not json_path.is_file():
         _fail(f"--render: {json_path} does not exist")
     data = json.loads(json_path.read_text())
@@ -253,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name} (run {run}): cost={row['cost']:,.0f} ratio={row['ratio_to_best']:.4f} "
               f"feasible={row['feasible']} lb={row['lower_bound']} status={row['status']} "
               f"seconds={row['seconds']} (limit {limit:.0f})", flush=True)
-    out = REPO / "benchmarks" / "results"
+    out = _results_dir()
     out.mkdir(parents=True, exist_ok=True)
     meta = stamp()
     json_path, md_path = out / f"{args.out}.json", out / f"{args.out}.md"
