@@ -351,8 +351,11 @@ def test_inline_timer_does_not_outlive_its_solve():
     from autopar.passes.solver.toulbar2 import solve_toulbar2
 
     red, _ = reduce_problem(load_iopddl(DATA / "asplos-2025-iopddl-G.json.gz"))
-    x, _, status, stats = solve_toulbar2(red, time.perf_counter() + 0.6, inline=True)
-    assert stats["in_process"] and x is not None and status in ("feasible", "optimal")
+    # 1.5 s: toulbar2 starts only with >= 0.5 s left after the local search, which on a
+    # loaded 2-core CI machine took more than the 0.1 s a 0.6-s deadline left it.
+    x, _, status, stats = solve_toulbar2(red, time.perf_counter() + 1.5, inline=True)
+    assert stats["in_process"] and stats["mode"] == "exact" and x is not None
+    assert status in ("feasible", "optimal", "fallback")  # whatever it had when cut short
     p = _dense_problem(1, False)
     sol = solve(p, time_limit_s=1.0)
     assert sol.status == "optimal" and sol.stats["in_process"]
