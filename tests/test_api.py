@@ -4,6 +4,7 @@ fingerprints, bad input."""
 from __future__ import annotations
 
 import json
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -187,3 +188,22 @@ def test_unknown_primitive_is_replicated_with_a_fallback_warning(monkeypatch):
     with pytest.warns(autopar.FallbackWarning, match="'tanh'"):
         got, _ = autopar.parallelize(_sgd_step, cluster=cheap_comm_cluster())(w, x)
     np.testing.assert_allclose(got, jax.jit(_sgd_step)(w, x)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_second_call_reuses_the_first_calls_program(caplog):
+    """The leaves an output replaces (the state) are laid out on the mesh on the first call,
+    as they arrive on later calls (this step's outputs, committed): the second call runs the
+    program the first compiled.  With the state taken uncommitted on the first call, the
+    second retraced and compiled the whole step again (a committed array's type names its
+    mesh)."""
+    step = autopar.parallelize(_sgd_step, method=autopar.DataParallel())
+    w, x = _args()
+    fresh = [jax.random.normal(jax.random.key(k), x.shape) for k in range(2)]
+    w, _ = step(w, x)
+    assert w.committed
+    with jax.log_compiles(), caplog.at_level(logging.DEBUG):
+        for batch in fresh:
+            w, _ = step(w, batch)
+    compiled = [r.getMessage() for r in caplog.records
+                if "Finished XLA compilation" in r.getMessage()]
+    assert compiled == []
