@@ -220,18 +220,19 @@ class ParallelizedFunction:
         # The first call already goes through the fast path's jit (calling the plan's own
         # jit first compiled the same program twice).  Donated arguments are laid out on
         # private copies (the caller's arrays stay valid), committed ones moved (jit refuses
-        # a committed array in another layout), and so are the other arguments but the
-        # batch (the state): on later calls they arrive as this step's outputs, committed to
-        # the mesh, and a committed array has another type than an uncommitted one (its
-        # mesh is in its aval), so leaving them uncommitted now retraced and compiled the
-        # step a second time on the second call.  Uncommitted batch leaves go as they are,
-        # as they will on later calls.
+        # a committed array in another layout), and so are the arrays of the other
+        # arguments but the batch (the state): on later calls they arrive as this step's
+        # outputs, committed to the mesh, and a committed array has another type than an
+        # uncommitted one (its mesh is in its aval), so leaving them uncommitted now
+        # retraced and compiled the step a second time on the second call.  The batch's
+        # uncommitted arrays and host values (numpy arrays, Python scalars: never a step's
+        # output) go as they are, as they will on later calls.
         spans = transfer.multi_process()
         shardings = traced._shardings("in")
         leaf_pos = _leaf_positions(traced.in_tree, traced._positions)
         moving = [k for k, x in enumerate(leaves)
-                  if k in donated or leaf_pos[k] not in self.batch_argnums or spans
-                  or getattr(x, "committed", False)]
+                  if k in donated or spans or getattr(x, "committed", False)
+                  or (isinstance(x, jax.Array) and leaf_pos[k] not in self.batch_argnums)]
         for k, x in zip(moving, outer.place_all([leaves[k] for k in moving],
                                                 [shardings[k] for k in moving])):
             leaves[k] = x

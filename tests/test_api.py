@@ -191,19 +191,19 @@ def test_unknown_primitive_is_replicated_with_a_fallback_warning(monkeypatch):
 
 
 def test_the_second_call_reuses_the_first_calls_program(caplog):
-    """The leaves an output replaces (the state) are laid out on the mesh on the first call,
-    as they arrive on later calls (this step's outputs, committed): the second call runs the
-    program the first compiled.  With the state taken uncommitted on the first call, the
-    second retraced and compiled the whole step again (a committed array's type names its
-    mesh)."""
+    """The arrays of the non-batch arguments (the state) are laid out on the mesh on the
+    first call, as they arrive on later calls (this step's outputs, committed): the second
+    call runs the program the first compiled.  With the state taken uncommitted on the first
+    call, the second retraced and compiled the whole step again (a committed array's type
+    names its mesh).  A host value (numpy) passed anew each call stays as it is."""
     step = autopar.parallelize(_sgd_step, method=autopar.DataParallel())
     w, x = _args()
     fresh = [jax.random.normal(jax.random.key(k), x.shape) for k in range(2)]
-    w, _ = step(w, x)
+    w, _ = step(w, x, np.float32(0.1))
     assert w.committed
     with jax.log_compiles(), caplog.at_level(logging.DEBUG):
         for batch in fresh:
-            w, _ = step(w, batch)
+            w, _ = step(w, batch, np.float32(0.1))
     compiled = [r.getMessage() for r in caplog.records
                 if "Finished XLA compilation" in r.getMessage()]
     assert compiled == []
