@@ -27,6 +27,10 @@ from autopar.passes.solver import BACKENDS, DEFAULT_BACKEND, Backend
 
 Role = Literal["batch", "param", "state"]
 ScheduleName = Literal["1f1b", "gpipe"]
+# Rematerialization of a pipeline's layers: True every layer, False none (beyond the step's
+# own `jax.checkpoint`, which makes every layer rematerialize), "auto" the stage search
+# chooses per layer where a stage's memory needs it.
+RematPolicy = bool | Literal["auto"]
 _SCHEDULES = ("1f1b", "gpipe")
 
 
@@ -104,6 +108,8 @@ class StageLayout:
       fixed_state_split: with `shard_optimizer_state`, every stage splits its optimizer
         state (a fixed layout); otherwise each stage splits it where that is faster or
         where its memory needs it.
+      remat: which layers recompute their activations in the backward instead of keeping
+        them (`RematPolicy`).
     """
 
     num_stages: int | None
@@ -114,6 +120,7 @@ class StageLayout:
     logical_shape: tuple[int, ...] | None = None
     batch_axis: bool = False
     fixed_state_split: bool = False
+    remat: RematPolicy = False
 
 
 @runtime_checkable
@@ -149,6 +156,11 @@ def _check_count(name: str, field: str, value, allow_auto: bool = False) -> None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         extra = ' or "auto"' if allow_auto else ""
         raise ValueError(f"{name}({field}={value!r}) must be a positive int{extra}")
+
+
+def _check_remat(name: str, remat) -> None:
+    if not (isinstance(remat, bool) or remat == "auto"):
+        raise ValueError(f"{name}(remat={remat!r}) must be True, False or \"auto\"")
 
 
 def _check_schedule(name: str, schedule: str) -> None:
@@ -383,6 +395,15 @@ class PipeshardParallel:
         splits a stage's state where that is faster (the all-gather is priced per
         parameter layout) or where the stage would not fit its memory otherwise.  False
         keeps the state laid out like its parameter.
+      remat: "auto" (default): where a stage's time-optimal layouts do not fit its memory
+        with the micro-batches 1F1B keeps in flight, the search also tries rematerializing
+        some of its layers (the forward keeps a layer's inputs only and the backward
+        recomputes the rest, `jax.checkpoint`), those that free the most memory per second
+        of recomputation first, and keeps the fastest stage that fits, whether it
+        rematerializes or lays its parameters out leaner.  True rematerializes every layer,
+        False none.  A step that uses `jax.checkpoint`/`nn.remat` itself rematerializes
+        every layer whatever this says (the flattened step no longer shows which).  The
+        plan records each layer's choice (`LayerPlan.remat`).
     """
 
     num_micro_batches: int | Literal["auto"] = 1
@@ -394,6 +415,7 @@ class PipeshardParallel:
     solver: Backend = DEFAULT_BACKEND
     time_limit_s: float = 20.0
     shard_optimizer_state: bool = True
+    remat: RematPolicy = "auto"
     name: ClassVar[str] = "pipeshard"
     pipelined: ClassVar[bool] = True
 
@@ -405,6 +427,7 @@ class PipeshardParallel:
         _check_count(n, "layer_num", self.layer_num, allow_auto=True)
         _check_schedule(n, self.schedule)
         _check_flag(n, "shard_optimizer_state", self.shard_optimizer_state)
+        _check_remat(n, self.remat)
         if self.submesh_shapes is not None:
             shapes = tuple(tuple(int(x) for x in s) for s in self.submesh_shapes)
             if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
@@ -425,7 +448,7 @@ class PipeshardParallel:
         min_layers = (fixed if fixed is not None else
                       len(self.submesh_shapes) if self.submesh_shapes is not None else 1)
         return StageLayout(num_stages=fixed, layer_num=self.layer_num, min_layers=min_layers,
-                           submesh_shapes=self.submesh_shapes)
+                           submesh_shapes=self.submesh_shapes, remat=self.remat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,7 +458,9 @@ class Manual3DParallel:
     over tp (Alpa's force_batch_dim_to_mesh_dim); the sharding of the model over tp is then
     searched on that mesh.  `shard_optimizer_state` as in
     `PipeshardParallel`, except that every stage splits its state (ZeRO-2 over the
-    stage's data-parallel axes), as a hand-written plan would."""
+    stage's data-parallel axes), as a hand-written plan would.  `remat`: True
+    rematerializes every layer (a hand-written plan's all-on), False only where the step
+    itself does."""
 
     dp: int = 1
     tp: int = 1
@@ -446,6 +471,7 @@ class Manual3DParallel:
     time_limit_s: float = 20.0
     memory_budget_bytes: float | None = None
     shard_optimizer_state: bool = True
+    remat: bool = False
     name: ClassVar[str] = "3d"
     pipelined: ClassVar[bool] = True
 
@@ -456,6 +482,7 @@ class Manual3DParallel:
                       self.time_limit_s)
         _check_schedule("Manual3DParallel", self.schedule)
         _check_flag("Manual3DParallel", "shard_optimizer_state", self.shard_optimizer_state)
+        _check_flag("Manual3DParallel", "remat", self.remat)
 
     def stage_layout(self, num_devices: int, devices_per_host: int) -> StageLayout:
         if self.dp * self.tp * self.pp != num_devices:
@@ -468,4 +495,4 @@ class Manual3DParallel:
         return StageLayout(num_stages=self.pp, min_layers=self.pp,
                            submesh_shapes=(submesh,) * self.pp, equal_layers=True,
                            logical_shape=(self.dp, self.tp), batch_axis=True,
-                           fixed_state_split=True)
+                           fixed_state_split=True, remat=self.remat)

@@ -870,7 +870,12 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     layer_kw = dict(kw, time_limit_s=min(method.time_limit_s, LAYER_TIME_LIMIT_S),
                     retry_time_limit_s=min(method.time_limit_s, LAYER_RETRY_TIME_LIMIT_S),
                     update=splits[modes[0]])
-    layer_cache: dict[tuple[str, tuple[int, int], int], dict[tuple[int, ...], _Priced]] = {}
+    # A layer's variants: rematerialized or not (`always_remat`: every layer is; with
+    # `search_remat` the stage search may rematerialize some where memory needs it).
+    always_remat = split.remat or layout.remat is True
+    search_remat = layout.remat == "auto" and not always_remat
+    layer_cache: dict[tuple[str, tuple[int, int], int, bool],
+                      dict[tuple[int, ...], _Priced]] = {}
     layer_seen: set[tuple[int, tuple[int, int]]] = set()
     layer_pairs = lay.num_layers * len(
         set(layout.submesh_shapes) if layout.submesh_shapes is not None
@@ -878,10 +883,11 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     fixed_shape = [layout.logical_shape] if layout.logical_shape is not None else None
 
     program_keys: dict[int, str] = {}
-    # Identical layers share one trace of their forward+backward (that of the first).
-    traced_layers: dict[str, tuple[pipeline.StageProgram, LayerProgram]] = {}
+    # Identical layers share one trace of their forward+backward (that of the first), one
+    # per variant (rematerialized or not).
+    traced_layers: dict[tuple[str, bool], tuple[pipeline.StageProgram, LayerProgram]] = {}
 
-    started: dict[tuple[str, tuple[int, int], int], Callable[[], dict]] = {}
+    started: dict[tuple[str, tuple[int, int], int, bool], Callable[[], dict]] = {}
     pool = SolvePool()
     # waits on answers bounded by the pool's progress; a problem identical to one already
     # handed over shares its answer (`_SameProblems`)
@@ -890,31 +896,38 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     # costs: one build each.
     builds = intra_op.BuildCache()
 
-    def start_layer(layer: int, submesh: tuple[int, int], level: int = 0
-                    ) -> tuple[str, tuple[int, int], int]:
+    def start_layer(layer: int, submesh: tuple[int, int], level: int = 0, remat: bool = False
+                    ) -> tuple[str, tuple[int, int], int, bool]:
         """Builds the layer's ILPs on `submesh` at trade-off `level` (0 time-optimal,
-        1.. `KNEE_FRACTIONS`, `LEAN` parameters cut as finely as they go) and hands them to
-        the pool, once per distinct layer program, sub-mesh and level; returns the cache
-        key."""
+        1.. `KNEE_FRACTIONS`, `LEAN` parameters cut as finely as they go), rematerialized
+        with `remat` (or `always_remat`), and hands them to the pool, once per distinct
+        layer program, sub-mesh, level and variant; returns the cache key."""
         if layer not in program_keys:
             program_keys[layer] = _program_key(graph, layer_programs[layer], diff)
         pkey = program_keys[layer]
-        key = (pkey, submesh, level)
-        if not level:
+        remat = remat or always_remat
+        key = (pkey, submesh, level, remat)
+        if not level and remat == always_remat:
             layer_seen.add((layer, submesh))
         if key not in layer_cache and key not in started:
             if progress:
+                what = " rematerialized" if remat and not always_remat else ""
                 progress(f"layer ILP {len(layer_seen)}/{layer_pairs}: layer {layer} on "
-                         f"sub-mesh {submesh}" if not level else
-                         f"{_level_name(level)} layer ILP: layer {layer} on sub-mesh "
+                         f"sub-mesh {submesh}" if not level and not what else
+                         f"{_level_name(level)}{what} layer ILP: layer {layer} on sub-mesh "
                          f"{submesh} (the faster stages do not fit)")
-            if pkey not in traced_layers:
-                prog = layer_programs[layer]
-                traced_layers[pkey] = (prog, LayerProgram.build(graph, prog, diff,
-                                                                remat=split.remat))
-            prog, traced = traced_layers[pkey]
+            prog, traced = traced_layer(layer, remat)
             started[key] = start_layer_ilps(prog, traced, submesh, level, fixed_shape)
         return key
+
+    def traced_layer(layer: int, remat: bool) -> tuple[pipeline.StageProgram, LayerProgram]:
+        """The first layer with layer `layer`'s program, and its forward+backward traced
+        (rematerialized with `remat`)."""
+        tkey = (program_keys[layer], remat)
+        if tkey not in traced_layers:
+            prog = layer_programs[layer]
+            traced_layers[tkey] = (prog, LayerProgram.build(graph, prog, diff, remat=remat))
+        return traced_layers[tkey]
 
     def start_layer_ilps(prog: pipeline.StageProgram, traced: LayerProgram,
                          submesh: tuple[int, int], level: int,
@@ -924,25 +937,25 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         """`start_price_stage` of one layer program at trade-off `level`."""
         return start_price_stage(
             graph, prog, diff, cluster, submesh, forced_batch_axis=layout.batch_axis,
-            shapes=shapes, remat=split.remat, num_micro_batches=method.num_micro_batches,
+            shapes=shapes, remat=traced.fn.remat, num_micro_batches=method.num_micro_batches,
             layer=traced, submit=submit, lean=level == LEAN,
             memory_price=(KNEE_FRACTIONS[level - 1] * knee_of(submesh)
                           if 0 < level < LEAN else 0.0),
             builds=builds, neighbours=neighbours, **layer_kw)
 
-    leaner_submeshes: set[tuple[tuple[int, int], int]] = set()
+    leaner_submeshes: set[tuple[tuple[int, int], int, bool]] = set()
 
-    def layer_options(layer: int, submesh: tuple[int, int], level: int = 0
-                      ) -> dict[tuple[int, ...], _Priced]:
-        key = start_layer(layer, submesh, level)
-        if level and (submesh, level) not in leaner_submeshes:
+    def layer_options(layer: int, submesh: tuple[int, int], level: int = 0,
+                      remat: bool = False) -> dict[tuple[int, ...], _Priced]:
+        key = start_layer(layer, submesh, level, remat)
+        if (level or remat) and (submesh, level, remat) not in leaner_submeshes:
             # The faster stages do not fit on this sub-mesh: the stage DP will ask for this
             # level's options of most layers here, so the pool solves them side by side
             # rather than one at a time as they are asked for (GPT-39B on 64 V100s: 13 s
             # of waiting for lean answers -> 7 s).
-            leaner_submeshes.add((submesh, level))
+            leaner_submeshes.add((submesh, level, remat))
             for k in range(lay.num_layers):
-                start_layer(k, submesh, level)
+                start_layer(k, submesh, level, remat)
         if key not in layer_cache:
             # A lean solve that cannot cut every parameter finely carries the penalty:
             # that logical shape has no lean option.
@@ -955,6 +968,9 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         return layer_cache[key]
 
     micro = method.num_micro_batches
+    # GPipe runs every micro-batch's forward before the first backward: each stage holds
+    # all of their residuals (1F1B: as many as stages from it to the last).
+    gpipe = method.schedule == "gpipe"
     link = cluster.inter_host if hosts > 1 else cluster.intra_host
 
     def stage_options(i: int, j: int, submesh: tuple[int, int], level: int = 0
@@ -978,19 +994,70 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                     if not any(_same_solutions(seen, chain) for seen in chained):
                         chained.append(chain)
             for priced in chained:
-                # The layer ILPs priced the updates under the first mode (splitting where
-                # it pays), once per layer reading a parameter: the stage takes theirs off
-                # and prices its own, each parameter once, under each mode ("all": every
-                # state split, for memory).
-                layers_s = (sum(p.cost_s for p in priced)
-                            + internal_reshard_s(priced, progs, graph)
-                            - sum(layer_updates_s(k, submesh, p)
-                                  for k, p in enumerate(priced, start=i)))
-                for m in modes:
-                    out.append(_StageEstimate(
-                        priced, progs, layers_s + updates_s(priced, progs, params, graph,
-                                                            splits[m], micro), splits[m]))
+                out += estimates(i, submesh, priced, progs, (always_remat,) * len(priced))
         return out
+
+    def estimates(i: int, submesh: tuple[int, int], priced: list[_Priced],
+                  progs: list[pipeline.StageProgram], remat: tuple[bool, ...]
+                  ) -> list[_StageEstimate]:
+        """The stage of layers i.. with these solutions, one estimate per optimizer-state
+        mode.  The layer ILPs priced the updates under the first mode (splitting where it
+        pays), once per layer reading a parameter: the stage takes theirs off and prices
+        its own, each parameter once, under each mode ("all": every state split, for
+        memory)."""
+        layers_s = (sum(p.cost_s for p in priced) + internal_reshard_s(priced, progs, graph)
+                    - sum(layer_updates_s(k, submesh, p) for k, p in enumerate(priced, start=i)))
+        return [_StageEstimate(priced, progs, layers_s + updates_s(priced, progs, params, graph,
+                                                                   splits[m], micro),
+                               splits[m], remat) for m in modes]
+
+    def rematerialized(i: int, j: int, submesh: tuple[int, int], level: int, in_flight: int,
+                       whole: bool) -> _StageEstimate | None:
+        """The fastest stage of layers i..j at trade-off `level` that fits by
+        rematerializing some of its layers: per logical shape and optimizer-state mode, the
+        layers ranked by the residual bytes their rematerialization frees per second it
+        adds, the fewest of the first of them that make the stage fit (memory falls as
+        more are rematerialized: bisected)."""
+        progs = [layer_programs[k] for k in range(i, j + 1)]
+        # Per logical shape, the layers' solutions in the stage's fastest option on it.
+        plain: dict[tuple[int, ...], _StageEstimate] = {}
+        for o in stage_options(i, j, submesh, level):
+            shape = o.priced[0].mesh.shape
+            if shape not in plain or o.cost_s < plain[shape].cost_s:
+                plain[shape] = o
+        again = [layer_options(k, submesh, level, remat=True) for k in range(i, j + 1)]
+        best = None
+        for shape, fastest in plain.items():
+            if any(shape not in o for o in again):
+                continue
+            kept = fastest.priced
+            # Each layer's rematerialized solution aligned to its own kept one at the
+            # layer's edges (its neighbours may keep theirs).
+            redone = [align_layer(k, submesh, level, shape, o[shape],
+                                  *_own_edges(kept[k - i], progs[k - i], params), remat=True)
+                      for k, o in enumerate(again, start=i)]
+            freed = [(k, kept[k].residual_bytes - redone[k].residual_bytes,
+                      redone[k].cost_s - kept[k].cost_s) for k in range(len(kept))]
+            order = [k for k, b, _ in sorted((f for f in freed if f[1] > 0),
+                                             key=lambda f: -f[1] / max(f[2], 1e-12))]
+            for m in range(len(modes)):
+                option = functools.partial(mixed, i, submesh, progs, kept, redone, order, m)
+                r = _least(len(order), lambda r, option=option: stage_fits(
+                    option(r), in_flight, whole))
+                if r is not None and (best is None or option(r).cost_s < best.cost_s):
+                    best = option(r)
+        return best
+
+    def mixed(i: int, submesh: tuple[int, int], progs: list[pipeline.StageProgram],
+              kept: list[_Priced], redone: list[_Priced], order: list[int], mode: int,
+              r: int) -> _StageEstimate:
+        """The stage of layers i.. with the first `r` layers of `order` rematerialized
+        (`redone`'s solutions) and the rest not (`kept`'s), under optimizer-state mode
+        `modes[mode]`."""
+        chosen = set(order[:r])
+        priced = [redone[k] if k in chosen else kept[k] for k in range(len(kept))]
+        return estimates(i, submesh, priced, progs,
+                         tuple(k in chosen for k in range(len(kept))))[mode]
 
     # Each layer's ILP chose the layouts of the values it shares with its neighbours
     # freely; where that leaves resharding, the layer is solved again paying for it
@@ -1051,17 +1118,21 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
 
     def align_layer(k: int, submesh: tuple[int, int], level: int, shape: tuple[int, ...],
                     free: _Priced, before: dict[int, tuple[Spec, Spec | None]],
-                    after: dict[int, tuple[Spec, Spec | None]]) -> _Priced:
+                    after: dict[int, tuple[Spec, Spec | None]], remat: bool = False
+                    ) -> _Priced:
+        """`free`, or layer k solved again paying for resharding to `before` and `after`
+        (`Neighbours`), whichever costs less with that resharding (the rematerialized
+        variant with `remat`)."""
         prog = layer_programs[k]
         sides = Neighbours(before, after)
         if not sides or neighbour_reshard_s(free, prog, graph, sides) <= 0.0:
             return free
         # Identical layers share the first one's trace and solve: its value ids.
         pkey = program_keys[k]
-        first, traced = traced_layers[pkey]
+        first, traced = traced_layer(k, remat or always_remat)
         renamed = sides.renamed(dict(zip(prog.inputs, first.inputs)),
                                 dict(zip(prog.outputs, first.outputs)))
-        key = (pkey, submesh, level, shape, renamed.key())
+        key = (pkey, submesh, level, shape, renamed.key(), remat or always_remat)
         if key not in neighbour_solves:
             solved = start_layer_ilps(first, traced, submesh, level, [shape],
                                       renamed)().get(shape)
@@ -1084,11 +1155,14 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                                            splits[modes[0]], micro, per_layer=True)
         return layer_updates[key]
 
+    def stage_fits(o: _StageEstimate, in_flight: int, whole: bool) -> bool:
+        return stage_memory_bytes(o.priced, o.programs, params, graph, micro, in_flight,
+                                  state_bytes_per_param_byte, o.zero,
+                                  whole_step=whole) <= budget
+
     def fitting(options: list[_StageEstimate], in_flight: int, whole: bool
                 ) -> _StageEstimate | None:
-        ok = [o for o in options if stage_memory_bytes(
-            o.priced, o.programs, params, graph, micro, in_flight,
-            state_bytes_per_param_byte, o.zero, whole_step=whole) <= budget]
+        ok = [o for o in options if stage_fits(o, in_flight, whole)]
         return min(ok, key=lambda o: o.cost_s) if ok else None
 
     # Per layer range and sub-mesh: its fastest time-optimal option's seconds per
@@ -1098,8 +1172,12 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     def fitting_stage(i: int, j: int, submesh: tuple[int, int], in_flight: int
                       ) -> _StageEstimate | None:
         """The fastest option of layers i..j that fits at the first trade-off level where
-        one does (time-optimal, then each memory price, then lean)."""
+        one does (time-optimal, then each memory price, then lean); with `search_remat`,
+        at each level before it, the fastest that fits by rematerializing some layers
+        (`rematerialized`) too, while such an option is faster than the level's fastest
+        option memory unchecked."""
         whole = i == 0 and j == lay.num_layers - 1 and submesh[0] * submesh[1] == n
+        found: list[_StageEstimate] = []
         for level in range(LEAN + 1):
             if 0 < level < LEAN and knee_of(submesh) is None:
                 continue    # no layer trades time for memory here: nothing in between
@@ -1107,10 +1185,18 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
             if not level:
                 free_costs.setdefault((i, j, submesh),
                                       min((o.cost_s for o in options), default=None))
+            if found and min((o.cost_s for o in options), default=math.inf) >= min(
+                    o.cost_s for o in found):
+                break   # nothing at this level or leaner beats the rematerialized stage
             best = fitting(options, in_flight, whole)
             if best is not None:
-                return best
-        return None
+                found.append(best)
+                break
+            if search_remat:
+                best = rematerialized(i, j, submesh, level, in_flight, whole)
+                if best is not None:
+                    found.append(best)
+        return min(found, key=lambda o: o.cost_s) if found else None
 
     knees: dict[tuple[int, int], float | None] = {}
 
@@ -1145,7 +1231,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         # stages of this size would fill the devices, and its inputs arriving over the
         # slowest link of the cluster.
         size = submesh[0] * submesh[1]
-        best = fitting_stage(i, j, submesh, max(1, n // size))
+        best = fitting_stage(i, j, submesh, micro if gpipe else max(1, n // size))
         if best is None:
             return None
         recv = sum(transfer_s(graph.values[v].nbytes, size, size, link) * (1 + (v in diff))
@@ -1209,7 +1295,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         _assemble, hosts=hosts, per_host=per_host, device_ids=device_ids, ranges=ranges,
         graph=graph, diff=diff, params=params, micro=micro,
         state_bytes_per_param_byte=state_bytes_per_param_byte, cluster=cluster,
-        fitting_stage=fitting_stage, stage_options=stage_options)
+        fitting_stage=fitting_stage, stage_options=stage_options, gpipe=gpipe)
     t_phase = time.perf_counter()
     try:
         # Every layer is priced on every sub-mesh in play: build all the ILPs up front so the
@@ -1310,7 +1396,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
 
 
 def _assemble(choice, *, hosts, per_host, device_ids, ranges, graph, diff, params, micro,
-              state_bytes_per_param_byte, cluster, fitting_stage, stage_options
+              state_bytes_per_param_byte, cluster, fitting_stage, stage_options, gpipe
               ) -> tuple[list[StagePlan], float, float, list[dict[str, Any]]]:
     """The plan's stages for `choice` ((first, last) layer, sub-mesh shape) per stage, with
     their transfers priced from both stages' layouts (`_with_transfers`): (stages, seconds
@@ -1321,7 +1407,7 @@ def _assemble(choice, *, hosts, per_host, device_ids, ranges, graph, diff, param
     for (layers, submesh), devs in zip(choice, devices):
         # A stage is its layers' solutions on the cheapest logical mesh that fits; the stage
         # inputs take the specs of the layer reading them first.
-        in_flight = len(choice) - len(stages)
+        in_flight = micro if gpipe else len(choice) - len(stages)
         best = fitting_stage(*layers, submesh, in_flight) or min(
             stage_options(*layers, submesh), key=lambda o: o.cost_s)
         start, stop = ranges[layers[0]][0], ranges[layers[1]][1]
@@ -1339,8 +1425,8 @@ def _assemble(choice, *, hosts, per_host, device_ids, ranges, graph, diff, param
         layer_plans = tuple(
             LayerPlan(eqn_range=ranges[k], value_specs=p.value_specs,
                       operand_specs=p.operand_specs, num_values=p.num_values,
-                      predicted_s=p.cost_s)
-            for k, p in zip(range(layers[0], layers[1] + 1), best.priced))
+                      predicted_s=p.cost_s, remat=again)
+            for k, p, again in zip(range(layers[0], layers[1] + 1), best.priced, best.remat))
         stages.append(StagePlan(
             layers=tuple(layers), eqn_range=(start, stop),
             device_ids=tuple(device_ids[d] for d in devs), mesh_shape=mesh.shape,
@@ -1369,6 +1455,8 @@ class _StageEstimate:
     programs: list[pipeline.StageProgram]
     cost_s: float
     zero: StateSplit | None = None
+    # Per layer, whether it is rematerialized (the variant `priced` solved).
+    remat: tuple[bool, ...] = ()
 
 
 def internal_reshard_s(priced: Sequence[_Priced], programs: Sequence[pipeline.StageProgram],
@@ -1773,6 +1861,31 @@ def _program_key(graph: Graph, prog: pipeline.StageProgram, diff: set[int]) -> s
     lines.append(str([name(v) for v in prog.inputs]))
     lines.append(str([v in diff for v in prog.inputs]))
     return "\n".join(lines)
+
+
+def _own_edges(p: _Priced, prog: pipeline.StageProgram, params: set[int]
+               ) -> tuple[Sides, Sides]:
+    """`Neighbours` sides that want what solution `p` does at its edges: its activation
+    inputs arriving (and their cotangents wanted) in its input layouts, its outputs read
+    (and their cotangents given) in its output layouts."""
+    before = {vid: (spec, p.ct_out_specs[n] if p.ct_out_specs else None)
+              for n, (vid, spec) in enumerate(zip(prog.inputs, p.input_specs))
+              if vid not in params}
+    after = {vid: (spec, p.ct_in_specs[n] if p.ct_in_specs else None)
+             for n, (vid, spec) in enumerate(zip(prog.outputs, p.output_specs))}
+    return before, after
+
+
+def _least(count: int, ok: Callable[[int], bool]) -> int | None:
+    """The least r in 1..`count` with `ok(r)`, `ok` taken as monotone (false, then true:
+    bisected); None when `ok(count)` is false."""
+    if count < 1 or not ok(count):
+        return None
+    lo, hi = 1, count
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+    return lo
 
 
 def _best_split(num_layers: int, shapes: list[tuple[int, int]],

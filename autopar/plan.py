@@ -60,6 +60,9 @@ class LayerPlan:
       num_values: values in the layer's forward+backward program (checked when the runtime
         traces it again).
       predicted_s: predicted seconds of one micro-batch's forward + backward of the layer.
+      remat: the forward keeps only the layer's inputs and the backward recomputes the rest
+        (`jax.checkpoint` around the layer): chosen by the search where the stage's memory
+        needs it, or every layer when the step rematerializes anywhere.
     """
 
     eqn_range: tuple[int, int]
@@ -67,6 +70,7 @@ class LayerPlan:
     operand_specs: tuple[tuple[int, int, Spec], ...]
     num_values: int
     predicted_s: float
+    remat: bool = False
 
     def solution_json(self) -> dict[str, Any]:
         """The part identical layers share (stored once in a plan file)."""
@@ -81,7 +85,8 @@ class LayerPlan:
             value_specs=tuple((int(v), spec_from_json(s)) for v, s in solution["value_specs"]),
             operand_specs=tuple((int(e), int(k), spec_from_json(sp))
                                 for e, k, sp in solution["operand_specs"]),
-            num_values=int(solution["num_values"]), predicted_s=float(d["predicted_s"]))
+            num_values=int(solution["num_values"]), predicted_s=float(d["predicted_s"]),
+            remat=bool(d.get("remat", False)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +145,7 @@ class StagePlan:
                 key = json.dumps(lp.solution_json(), sort_keys=True)
                 index = solutions.setdefault(key, len(solutions))
                 layers.append({"eqn_range": list(lp.eqn_range), "predicted_s": lp.predicted_s,
-                               "solution": index})
+                               "solution": index, **({"remat": True} if lp.remat else {})})
             out["layer_plans"] = layers
         return out
 

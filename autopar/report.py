@@ -13,7 +13,7 @@ from autopar.cost_model import ClusterSpec
 from autopar.cost_model.units import format_bytes
 from autopar.graph import itemsize
 
-from .plan import Plan, format_spec
+from .plan import Plan, StagePlan, format_spec
 
 if TYPE_CHECKING:
     from .api import Traced
@@ -79,6 +79,18 @@ def _range(ids: Sequence[int]) -> str:
     return ",".join(map(str, ids[:4])) + (",..." if len(ids) > 4 else "")
 
 
+def _remat_lines(stages: Sequence[StagePlan]) -> list[str]:
+    """Per stage with rematerialized layers, which (`LayerPlan.remat`); none when no
+    layer is."""
+    lines = []
+    for k, st in enumerate(stages):
+        again = [n for n, lp in enumerate(st.layer_plans, start=st.layers[0]) if lp.remat]
+        if again:
+            lines.append(f"  stage {k} rematerializes {len(again)} of {len(st.layer_plans)} "
+                         f"layers: {_range(again)}")
+    return lines
+
+
 def _submesh(ids: Sequence[int], per_host: int | None) -> str:
     if not per_host:
         return f"({len(ids)} dev)"
@@ -124,6 +136,7 @@ def summary(plan: Plan) -> str:
                      f"{plan.mesh_shape} {','.join(plan.mesh_axes)}",
                      f"{p.step_s * 1e3:.3f} ms", mem_of(p.memory_bytes)])
     lines += _table(rows, right={5})
+    lines += _remat_lines(plan.stages)
     flops, source = step_flops(plan)
     if plan.stages:   # pipelines: the busiest stage's micro-batches, and the rest
         lines.append(f"  predicted step time    {p.step_s * 1e3:.3f} ms (busiest stage "

@@ -84,7 +84,8 @@ class StageRunner:
       ct_receivers: float outputs of the stage whose cotangents later stages send back.
       loss_vid: F id of the loss (seeded with 1/num_micro_batches), if the stage makes it.
       num_micro_batches: micro-batches per step.
-      remat: rematerialize every layer in the backward.
+      remat: rematerialize every layer in the backward (the step does somewhere); else the
+        layers the plan rematerializes (`LayerPlan.remat`).
       f_outputs: F's output value ids (loss and aux).
     """
 
@@ -188,7 +189,7 @@ class StageRunner:
         for k, lp in enumerate(plans):
             rng = lp.eqn_range if lp is not None else self.plan.eqn_range
             prog = LayerProgram.build(self.graph, program_for_range(self.graph, *rng),
-                                      diff_values, remat=remat)
+                                      diff_values, remat=remat or (lp is not None and lp.remat))
             if lp is None:
                 fallbacks.report("pipeline stage", "a stage plan without layer plans: its "
                                  "layers run unconstrained (XLA's partitioner lays them out)",
