@@ -81,6 +81,9 @@ class PipelineRuntime:
         self.stages = [StageRunner(graph, st, mesh, diff, params, static_ids, receivers[s],
                                    loss, n, split.remat, f_outputs)
                        for s, (st, mesh) in enumerate(zip(plan.stages, self.meshes))]
+        # Per stage output, how many stages read it (each in its forward of a micro-batch).
+        self._readers = {v: sum(v in st.micro_ids for st in self.stages)
+                         for prog in programs for v in prog.outputs}
         self.owner: dict[int, int] = {}
         for s, st in enumerate(self.stages):
             for v in st.program.inputs:
@@ -225,7 +228,12 @@ class PipelineRuntime:
                 if st.local:
                     parts.update(((v, s), p) for v, p in zip(vids, fn(*xs)))
         acc = [st.zeros() if st.local else None for st in self.stages]
+        # A stage's outputs, kept on its devices until the last stage reading them has run
+        # that micro-batch's forward (`_readers`), and their layouts, kept until the
+        # producer's backward (the cotangents coming back are laid out like them).
         acts: dict[tuple[int, int], Any] = {}
+        unread: dict[tuple[int, int], int] = {}
+        act_shardings: dict[tuple[int, int], Sharding] = {}
         cts: dict[tuple[int, int], Any] = {}
         saved: dict[tuple[int, int], tuple[list, list]] = {}
         alive = [0] * len(self.stages)
@@ -238,10 +246,17 @@ class PipelineRuntime:
                 micro = [(parts[(v, s)][m] if st.local else None) if v in split_ids else
                          outer.place(acts[(v, m)], st.input_shardings[v])
                          for v in st.micro_ids]
+                for v in st.micro_ids:
+                    if (v, m) in unread:
+                        unread[(v, m)] -= 1
+                        if not unread[(v, m)]:
+                            del unread[(v, m)], acts[(v, m)]
                 floats, ints, res = (st.forward(static[s], micro) if st.local
                                      else st.remote_forward())
-                acts.update(((v, m), x) for v, x in zip(st.float_outs, floats))
-                acts.update(((v, m), x) for v, x in zip(st.int_outs, ints))
+                for v, x in zip(st.float_outs + st.int_outs, list(floats) + list(ints)):
+                    act_shardings[(v, m)] = x.sharding
+                    if self._readers.get(v):
+                        acts[(v, m)], unread[(v, m)] = x, self._readers[v]
                 saved[(s, m)] = ([micro[k] for k in st.kept_positions], res)
                 alive[s] += 1
                 self.in_flight_max[s] = max(self.in_flight_max[s], alive[s])
@@ -254,12 +269,12 @@ class PipelineRuntime:
                     act_cts = st.remote_backward()
                 alive[s] -= 1
                 for v, g in zip(st.act_ct_ids, act_cts):
-                    g = outer.place(g, self._ct_shardings.get(v) or acts[(v, m)].sharding)
+                    g = outer.place(g, self._ct_shardings.get(v) or act_shardings[(v, m)])
                     if (v, m) in cts:   # a second consumer: add on the producer's devices
                         g = cts[(v, m)] + g if self.stages[self.stage_of_value[v]].local else g
                     cts[(v, m)] = g
                 for v in st.float_outs + st.int_outs:   # consumers' forwards are done
-                    acts.pop((v, m), None)
+                    act_shardings.pop((v, m), None)
         return self._finish(env, full, [st.finalize(a) if st.local else st.remote_finalize()
                                         for st, a in zip(self.stages, acc)])
 
@@ -376,7 +391,10 @@ class StageCompiled:
     the step runs the stage as one program (`step`, a one-stage 1F1B pipeline), that
     program once per step (the four others are compiled for inspection, not run).
     `param_bytes`: bytes per device of the parameters the stage owns (updates), as it
-    reads them."""
+    reads them; `sent_bytes`: of the forward's outputs, bytes per device of those later
+    stages read (held until they have read them, not until the backward); `kept_bytes`:
+    bytes per device of the micro-batch inputs the step keeps for the backward to read
+    again (a rematerialized layer's input) instead of the forward saving a copy."""
 
     stage: int
     forward: Any
@@ -385,6 +403,8 @@ class StageCompiled:
     finalize: Any
     step: Any = None
     param_bytes: float = 0.0
+    sent_bytes: float = 0.0
+    kept_bytes: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,7 +456,9 @@ class PipelineCompiled:
         """Per stage, bytes per device of the compiled step at its peak: the backward
         program (its arguments hold the parameters, one micro-batch's residuals and the
         gradient accumulators; plus its outputs and temporaries), the residuals of the other
-        micro-batches the schedule keeps in flight (the forward's saved outputs), and the
+        micro-batches the schedule keeps in flight (the forward's saved outputs, not those
+        it sends on: the step drops its copy once the stages reading them have; and the
+        inputs it keeps for the backward to read again), and the
         optimizer state the stage's apply segments hold beyond parameters and gradients."""
         sched = schedules.make(self.plan.schedule or "1f1b", len(self.stages),
                                self.num_micro_batches)
@@ -445,7 +467,9 @@ class PipelineCompiled:
         for c in self.stages:
             peak = hlo_audit.MemoryUsage.of(c.step or c.backward).total_bytes
             # A one-program step holds its micro-batch's residuals in its temporaries.
-            fwd_out = 0 if c.step is not None else c.forward.memory_analysis().output_size_in_bytes
+            fwd_out = 0 if c.step is not None else max(
+                0.0, c.forward.memory_analysis().output_size_in_bytes - c.sent_bytes
+            ) + c.kept_bytes
             extra_state = 0
             for s, seg in self.segments:
                 if s == c.stage:
@@ -471,10 +495,15 @@ class PipelineLowered:
             low = st.lower_all(fused=rt.fused)
             owned = sum(_shard_bytes(rt.graph.values[v], st.input_shardings[v])
                         for v in st.param_ids if rt.owner[v] == s)
+            sent = sum(_shard_bytes(rt.graph.values[v], st.send_sharding(v))
+                       for v in st.float_outs + st.int_outs)
+            kept = sum(_shard_bytes(rt.graph.values[v], st.input_shardings[v])
+                       for v in st.kept_micro)
             stages.append(StageCompiled(s, *(low[k].compile() for k in
                                               ("forward", "backward", "zeros", "finalize")),
                                         step=low["step"].compile() if rt.fused else None,
-                                        param_bytes=float(owned)))
+                                        param_bytes=float(owned), sent_bytes=float(sent),
+                                        kept_bytes=float(kept)))
         segments = []
         for seg in rt.pre + rt.post:
             args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sh)
