@@ -42,24 +42,20 @@ def _remat_flags(plan: Plan) -> list[list[bool]]:
     return [[lp.remat for lp in st.layer_plans] for st in plan.stages]
 
 
-@pytest.mark.parametrize("name, make, kw, memory_rtol, compare", [
+@pytest.mark.parametrize("name, make, kw, compare", [
     # one stage: GPipe keeps every micro-batch's residuals until the backward
     pytest.param("gpt-1-stage", lambda: gpt_case(optimizer="adamw", batch=32, seq=32),
-                 dict(num_stages=1, schedule="gpipe"), MEMORY_RTOL, False, id="gpt-1-stage"),
+                 dict(num_stages=1, schedule="gpipe"), False, id="gpt-1-stage"),
     # 1F1B: the first stage keeps as many micro-batches in flight as there are stages
     pytest.param("gpt-2-stages", lambda: gpt_case(optimizer="adamw", batch=32, seq=32),
-                 dict(num_stages=2), MEMORY_RTOL, True, id="gpt-2-stages"),
+                 dict(num_stages=2), True, id="gpt-2-stages"),
     pytest.param("convbn-2-stages", lambda: convbn_case(optimizer="adamw", batch=64, size=16),
-                 dict(num_stages=2, schedule="gpipe"), MEMORY_RTOL, False,
+                 dict(num_stages=2, schedule="gpipe"), False,
                  id="convbn-2-stages"),
-    # The compiled measure (`PipelineCompiled.stage_memory_bytes`) counts the activation the
-    # first stage sends on, once per micro-batch in flight, which the planner does not: the
-    # MoE's first stage compiles 1.20x of its prediction without rematerialization, 1.32x
-    # with it (one layer on one device).
     pytest.param("moe-4-stages", lambda: moe_case(optimizer="adamw", batch=32, seq=16),
-                 dict(num_stages=4), 0.35, False, id="moe-4-stages"),
+                 dict(num_stages=4), False, id="moe-4-stages"),
 ])
-def test_search_rematerializes_where_memory_binds(name, make, kw, memory_rtol, compare):
+def test_search_rematerializes_where_memory_binds(name, make, kw, compare):
     case = make()
     state, batch = case.init()
     free = _step(case, **kw).get_plan(state, batch)
@@ -77,7 +73,7 @@ def test_search_rematerializes_where_memory_binds(name, make, kw, memory_rtol, c
     compiled = step.lower(state, batch).compile().stage_memory_bytes()
     for st, got in zip(plan.stages, compiled):
         assert got <= budget, (name, got, budget)
-        np.testing.assert_allclose(got, st.memory_bytes, rtol=memory_rtol, atol=1024,
+        np.testing.assert_allclose(got, st.memory_bytes, rtol=MEMORY_RTOL, atol=1024,
                                    err_msg=f"{name}: stage {st.layers} compiled vs planned")
     # the plan file keeps each layer's choice
     again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
