@@ -123,6 +123,10 @@ def markdown(result: dict) -> str:
                   f"{sum(r <= 1 + TIE for r in ratios)} of {len(result['rows'])} cases, "
                   f"strictly faster on {sum(r < 1 - TIE for r in ratios)}; wall "
                   f"{result['wall_s']:.0f} s."]
+    done = {f"{r['devices']}:{r['model']}" for r in result["rows"]}
+    missing = [c for c in result.get("cases", []) if c not in done]
+    if missing:
+        lines += ["", f"Not run (the run stopped first): {', '.join(missing)}."]
     return "\n".join(lines) + "\n"
 
 
@@ -140,23 +144,23 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--cases: {item!r} is not DEVICES:MODEL")
         cases.append((int(devices), model))
     cluster = ClusterSpec.preset(args.cluster)
-    meta = stamp()
-    t0 = time.perf_counter()
-    rows = []
-    for devices, model in cases:
-        rows.append(run_case(devices, model, cluster))
-        print(f"[{time.perf_counter() - t0:7.1f}s] {devices} x {model}: ratio "
-              f"{rows[-1]['ratio']}", file=sys.stderr, flush=True)
     out = pathlib.Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     spec = SUITES["gpt"]
-    result = {"meta": meta, "cluster": cluster.name, "global_batch": spec.global_batch,
-              "workload_source": spec.source, "wall_s": round(time.perf_counter() - t0, 1),
-              "rows": rows}
-    write_json_atomic(out / "remat_search.json", result)
-    text = markdown(result)
-    (out / "remat_search.md").write_text(text)
-    print(text)
+    result = {"meta": stamp(), "cluster": cluster.name, "global_batch": spec.global_batch,
+              "workload_source": spec.source, "wall_s": 0.0, "rows": [],
+              "cases": [f"{d}:{m}" for d, m in cases]}
+    t0 = time.perf_counter()
+    for devices, model in cases:
+        result["rows"].append(run_case(devices, model, cluster))
+        result["wall_s"] = round(time.perf_counter() - t0, 1)
+        print(f"[{result['wall_s']:7.1f}s] {devices} x {model}: ratio "
+              f"{result['rows'][-1]['ratio']}", file=sys.stderr, flush=True)
+        # Written after every case (an interrupted run keeps the cases it finished; the
+        # md says which are missing).
+        write_json_atomic(out / "remat_search.json", result)
+        (out / "remat_search.md").write_text(markdown(result))
+    print(markdown(result))
     return 0
 
 

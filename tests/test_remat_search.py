@@ -151,3 +151,24 @@ def test_the_policy_is_part_of_the_plan_cache_key():
 
     assert method_fields(autopar.PipeshardParallel(remat=False)) != method_fields(
         autopar.PipeshardParallel())
+
+
+def test_benchmark_page_states_the_ratio_and_the_missing_cases():
+    from benchmarks import remat_search
+
+    def ev(step_s, **kw):
+        return {"step_s": step_s, "memory_bytes": 2**30, "oom": False, "strategy": "3d",
+                "dp": 2, "tp": 2, "pp": 2, "micro": 8, **kw}
+
+    row = {"devices": 8, "model": "gpt-2.6b", "ratio": 0.9, "best_hand_s": 10.0,
+           "rows": {"3d-remat-on": ev(10.0), "3d-remat-off": ev(12.0, oom=True),
+                    "autopar": ev(9.0, strategy="autopar", remat_layers=3,
+                                  plan_layers=8)}}
+    page = remat_search.markdown({
+        "meta": {"commit": "abc"}, "cluster": "8x8xV100-16GB", "global_batch": 1024,
+        "workload_source": "alpa", "wall_s": 1.0, "rows": [row],
+        "cases": ["8:gpt-2.6b", "64:gpt-39b"]})
+    assert "| 8 | gpt-2.6b | 10.00 s" in page and "**OOM**" in page
+    assert "3 of 8 layers remat" in page and "| 0.900 |" in page
+    assert "strictly faster on 1" in page
+    assert "Not run (the run stopped first): 64:gpt-39b." in page
