@@ -84,6 +84,9 @@ def parts() -> list[Part]:
                                    ("benchmarks.audit", f"{RESULTS}/{name}.json"),
                                    ("benchmarks.explain", f"{RESULTS}/{name}.json")),
                             (f"{name}.md", f"{name}.json", f"{name}.png")))
+    # About 110 min on 2 cores (GPT-39B without remat: most of it).
+    out.append(Part("remat_search", (("benchmarks.remat_search",),),
+                    ("remat_search.md", "remat_search.json")))
     out.append(Part("solver_iopddl", (("benchmarks.solver_iopddl",),),
                     ("solver_iopddl.md", "solver_iopddl.json"),
                     lambda: _iopddl_missing("G", "A", "M", "S")))
