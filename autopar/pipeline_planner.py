@@ -1426,7 +1426,8 @@ def _assemble(choice, *, hosts, per_host, device_ids, ranges, graph, diff, param
             LayerPlan(eqn_range=ranges[k], value_specs=p.value_specs,
                       operand_specs=p.operand_specs, num_values=p.num_values,
                       predicted_s=p.cost_s, remat=again)
-            for k, p, again in zip(range(layers[0], layers[1] + 1), best.priced, best.remat))
+            for k, p, again in zip(range(layers[0], layers[1] + 1), best.priced,
+                                    best.remat or (False,) * len(best.priced)))
         stages.append(StagePlan(
             layers=tuple(layers), eqn_range=(start, stop),
             device_ids=tuple(device_ids[d] for d in devs), mesh_shape=mesh.shape,
