@@ -1011,17 +1011,18 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                                                                    splits[m], micro),
                                splits[m], remat) for m in modes]
 
-    def rematerialized(i: int, j: int, submesh: tuple[int, int], level: int, in_flight: int,
-                       whole: bool) -> _StageEstimate | None:
-        """The fastest stage of layers i..j at trade-off `level` that fits by
-        rematerializing some of its layers: per logical shape and optimizer-state mode, the
-        layers ranked by the residual bytes their rematerialization frees per second it
-        adds, the fewest of the first of them that make the stage fit (memory falls as
-        more are rematerialized: bisected)."""
+    def rematerialized(i: int, j: int, submesh: tuple[int, int], level: int,
+                       options: list[_StageEstimate], in_flight: int, whole: bool
+                       ) -> _StageEstimate | None:
+        """The fastest stage of layers i..j at trade-off `level` (`options`: its
+        `stage_options` there) that fits by rematerializing some of its layers: per logical
+        shape and optimizer-state mode, the layers ranked by the residual bytes their
+        rematerialization frees per second it adds, the fewest of the first of them that
+        make the stage fit (memory falls as more are rematerialized: bisected)."""
         progs = [layer_programs[k] for k in range(i, j + 1)]
         # Per logical shape, the layers' solutions in the stage's fastest option on it.
         plain: dict[tuple[int, ...], _StageEstimate] = {}
-        for o in stage_options(i, j, submesh, level):
+        for o in options:
             shape = o.priced[0].mesh.shape
             if shape not in plain or o.cost_s < plain[shape].cost_s:
                 plain[shape] = o
@@ -1044,8 +1045,9 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                 option = functools.partial(mixed, i, submesh, progs, kept, redone, order, m)
                 r = _least(len(order), lambda r, option=option: stage_fits(
                     option(r), in_flight, whole))
-                if r is not None and (best is None or option(r).cost_s < best.cost_s):
-                    best = option(r)
+                found = option(r) if r is not None else None
+                if found is not None and (best is None or found.cost_s < best.cost_s):
+                    best = found
         return best
 
     def mixed(i: int, submesh: tuple[int, int], progs: list[pipeline.StageProgram],
@@ -1193,7 +1195,7 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
                 found.append(best)
                 break
             if search_remat:
-                best = rematerialized(i, j, submesh, level, in_flight, whole)
+                best = rematerialized(i, j, submesh, level, options, in_flight, whole)
                 if best is not None:
                     found.append(best)
         return min(found, key=lambda o: o.cost_s) if found else None
