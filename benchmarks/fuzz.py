@@ -49,7 +49,8 @@ from benchmarks.stamp import stamp, stamp_markdown
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DEFAULT_METHODS = ("shard", "pipeshard-1", "pipeshard-2", "pipeshard-4")
-ALL_METHODS = ("shard", "shard-2mb", "pipeshard-1", "pipeshard-2", "pipeshard-4")
+ALL_METHODS = ("shard", "shard-2mb", "pipeshard-1", "pipeshard-2", "pipeshard-4",
+               "pipeshard-1-tight", "pipeshard-2-tight", "pipeshard-4-tight")
 FAMILIES = ("mlp", "attention", "conv_bn", "moe", "tied_embed", "scan")  # generated.FAMILIES
 OUTCOMES = ("equal", "differ", "error", "hang", "skip", "invalid", "not run")
 BAD = ("differ", "error", "hang", "invalid")
@@ -287,7 +288,33 @@ def tally(rows: list[dict], methods: Sequence[str]) -> dict:
                                            default=None),
         "min_move_over_tol": min(moves, default=None),
         "median_move_over_tol": sorted(moves)[len(moves) // 2] if moves else None,
+        "tight": tight_tally(rows),
     }
+
+
+def tight_tally(rows: list[dict]) -> dict[str, dict]:
+    """Per "-tight" method (a pipeline under TIGHT_FRACTION of its free plan's largest stage,
+    `generated.tight_budget`): runs planned under the budget, those that rematerialized a
+    layer, layers rematerialized of layers planned, runs whose compiled stages exceed the
+    budget, and the largest compiled peak over the budget and over the planner's figure."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        if r.get("budget") is None:
+            continue
+        t = out.setdefault(r["method"], {"planned": 0, "remat_runs": 0, "remat_layers": 0,
+                                         "layers": 0, "over_budget": 0,
+                                         "max_compiled_over_budget": 0.0,
+                                         "max_compiled_over_planned": 0.0})
+        t["planned"] += 1
+        t["remat_runs"] += r["remat_layers"] > 0
+        t["remat_layers"] += r["remat_layers"]
+        t["layers"] += r["layers"]
+        t["over_budget"] += r["compiled_over_budget"] > 1.0
+        t["max_compiled_over_budget"] = max(t["max_compiled_over_budget"],
+                                            r["compiled_over_budget"])
+        t["max_compiled_over_planned"] = max(t["max_compiled_over_planned"],
+                                             r["compiled_over_planned"])
+    return out
 
 
 def markdown(meta: dict, args: dict, infos: list[dict], rows: list[dict], t: dict,
@@ -308,7 +335,8 @@ def markdown(meta: dict, args: dict, infos: list[dict], rows: list[dict], t: dic
              "micro-batches). Equal: losses and every state leaf within |got - ref| <= atol "
              "+ rtol·|ref| (SGD-momentum rtol 2e-4 / atol 2e-5; Adam, AdamW rtol 1e-3 / "
              "atol 1e-4). Skip: a refusal the method documents (too few layers for the "
-             "stages); error: any other exception; hang: past the timeout (worker killed). "
+             "stages; under a tight budget, no plan that fits it); error: any other "
+             "exception; hang: past the timeout (worker killed). "
              "Cost model: the methods plan with this machine's (local) or with almost free "
              "communication (cheap: the search splits nearly every value), drawn per case "
              "unless `--comm` says.",
@@ -335,6 +363,23 @@ def markdown(meta: dict, args: dict, infos: list[dict], rows: list[dict], t: dic
               f"tolerances at least (median over runs {_g(t['median_move_over_tol'])}; leaves "
               f"with gradient 0 up to rounding left out): a method that dropped that leaf's "
               f"update would differ by about as much.", ""]
+    if t["tight"]:
+        lines += ["## Under a tight memory budget (rematerialization searched)", "",
+                  "The \"-tight\" methods plan the pipeline under 0.85x the largest stage of "
+                  "its plan without a budget (`generated.TIGHT_FRACTION`; one stage under "
+                  "GPipe, both micro-batches in flight): the time-optimal layouts do not "
+                  "fit, and the search rematerializes layers or lays them out leaner. "
+                  "Compiled: each stage's peak from XLA's memory analysis of the programs the "
+                  "step runs. Runs that found no plan under the budget are skips.", "",
+                  "| method | planned | rematerialized a layer | layers remat / planned | "
+                  "compiled over budget (runs) | max compiled / budget | "
+                  "max compiled / planned |", "|---|---|---|---|---|---|---|"]
+        for m, c in t["tight"].items():
+            lines.append(f"| {m} | {c['planned']} | {c['remat_runs']} | {c['remat_layers']}"
+                         f" / {c['layers']} | {c['over_budget']} | "
+                         f"{c['max_compiled_over_budget']:.3f} | "
+                         f"{c['max_compiled_over_planned']:.3f} |")
+        lines.append("")
     bad = [r for r in rows if r["outcome"] in ("differ", "error", "hang", "invalid")]
     lines += ["## Not equal", ""]
     if not bad:
@@ -361,7 +406,8 @@ def markdown(meta: dict, args: dict, infos: list[dict], rows: list[dict], t: dic
         lines += ["| fallback | runs | methods |", "|---|---|---|"]
         for f in t["fallbacks"]:
             lines.append(f"| {f['fallback']} | {f['runs']} | {', '.join(f['methods'])} |")
-    lines += ["", "Cases and configs: fuzz.json (`cases`); every run: `rows`.", ""]
+    lines += ["", f"Cases and configs: {args.get('name', 'fuzz')}.json (`cases`); every "
+              f"run: `rows`.", ""]
     return "\n".join(lines)
 
 
@@ -399,7 +445,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit-s", type=float, default=5.0,
                    help="the methods' ILP time limit (default 5)")
     p.add_argument("--output-dir", default=None, metavar="DIR",
-                   help="where to write fuzz.md/.json (default benchmarks/results)")
+                   help="where to write the results (default benchmarks/results)")
+    p.add_argument("--name", default="fuzz",
+                   help="results file name, NAME.md and NAME.json (default fuzz)")
     return p
 
 
@@ -425,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall_s = time.perf_counter() - t0
     settings = {"cases": args.cases, "seed": args.seed, "methods": methods,
                 "families": families, "small": args.small, "comm": args.comm,
-                "timeout_s": args.timeout_s,
+                "timeout_s": args.timeout_s, "name": args.name,
                 "jobs": args.jobs, "time_limit_s": args.time_limit_s}
     t = tally(rows, methods)
     meta = stamp()
@@ -435,14 +483,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     keep = ("traceback",)
-    write_json_atomic(out_dir / "fuzz.json", _finite({
+    write_json_atomic(out_dir / f"{args.name}.json", _finite({
         "meta": meta, "settings": settings, "wall_s": wall_s, "tally": t, "cases": infos,
         "rows": [{k: v for k, v in r.items() if k not in keep} for r in rows],
         "tracebacks": [{"case": r["case"], "method": r["method"], "traceback": r["traceback"]}
                        for r in rows if r.get("traceback")]}))
-    tmp = out_dir / "fuzz.md.tmp"
+    tmp = out_dir / f"{args.name}.md.tmp"
     tmp.write_text(text)
-    tmp.replace(out_dir / "fuzz.md")
+    tmp.replace(out_dir / f"{args.name}.md")
     return 1 if any(r["outcome"] in BAD for r in rows) else 0
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -186,8 +187,14 @@ def start(graph: Graph, mesh: MeshContext, *,
     t_build = time.perf_counter() - t0
     future = (submit(problem, time_limit_s=time_limit_s, backend=solver)
               if submit is not None else None)
-    return PendingRun(graph, mesh, builder, problem, future, t_build, tuple(ties),
-                      memory_budget_bytes, solver, time_limit_s, submit, retry_time_limit_s)
+    run = PendingRun(graph, mesh, builder, problem, future, t_build, tuple(ties),
+                     memory_budget_bytes, solver, time_limit_s, submit, retry_time_limit_s)
+    if future is not None and retry_time_limit_s is not None \
+            and retry_time_limit_s > time_limit_s:
+        # The retry is handed over as soon as the first answer is known to need it, not
+        # when `.result()` is asked: the pool solves it while the caller builds.
+        future.add_done_callback(run._retry_early)
+    return run
 
 
 @dataclasses.dataclass
@@ -206,6 +213,25 @@ class PendingRun:
     time_limit_s: float
     submit: Submit | None = None
     retry_time_limit_s: float | None = None
+    # The retry's future once handed over (`_retry`), under `_lock` (the pool's thread may
+    # hand it over when the first answer arrives).
+    _retried: Future | None = dataclasses.field(default=None, repr=False)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def _retry(self) -> Future:
+        """The future of the longer solve, handed to `submit` once."""
+        assert self.submit is not None and self.retry_time_limit_s is not None
+        with self._lock:
+            if self._retried is None:
+                self._retried = self.submit(self.problem, time_limit_s=self.retry_time_limit_s,
+                                            backend=self.solver)
+            return self._retried
+
+    def _retry_early(self, first: Future) -> None:
+        """Done-callback of the first solve: hands over the retry at once if it needs one."""
+        if not first.cancelled() and first.exception() is None \
+                and unproven(first.result()):
+            self._retry()
 
     def result(self) -> IntraOpResult:
         graph, mesh, builder, problem = self.graph, self.mesh, self.builder, self.problem
@@ -215,8 +241,7 @@ class PendingRun:
                     solve(problem, time_limit_s=time_limit_s, backend=solver))
         retry = self.retry_time_limit_s
         if retry is not None and retry > time_limit_s and unproven(solution):
-            again = (self.submit(problem, time_limit_s=retry, backend=solver).result()
-                     if self.submit is not None else
+            again = (self._retry().result() if self.submit is not None else
                      solve(problem, time_limit_s=retry, backend=solver))
             if again.feasible and (not solution.feasible or again.cost <= solution.cost):
                 again.stats["retried_after"] = solution.status

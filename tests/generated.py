@@ -85,7 +85,15 @@ TIME_LIMIT_S = 5.0   # the ILP limits: plans need only be valid here (tests/test
 # name -> micro-batches; `method(name)` builds the autopar method: ShardParallel on the
 # whole batch and on MICRO_BATCHES micro-batches, PipeshardParallel with 1, 2 and 4 stages.
 METHODS = {"shard": 1, "shard-2mb": MICRO_BATCHES, "pipeshard-1": MICRO_BATCHES,
-           "pipeshard-2": MICRO_BATCHES, "pipeshard-4": MICRO_BATCHES}
+           "pipeshard-2": MICRO_BATCHES, "pipeshard-4": MICRO_BATCHES,
+           "pipeshard-1-tight": MICRO_BATCHES, "pipeshard-2-tight": MICRO_BATCHES,
+           "pipeshard-4-tight": MICRO_BATCHES}
+# "-tight" methods: the pipeline under a memory budget of this fraction of the largest stage
+# of its plan without one (GPipe on one stage, so that both micro-batches are in flight):
+# the time-optimal layouts no longer fit, and the search must rematerialize layers (issue
+# 47) or lay them out leaner.  The run records which layers it rematerialized and each
+# stage's compiled peak against the budget.
+TIGHT_FRACTION = 0.85
 # `generate(..., small=True)`: the same draws with at most this many layers (lists are
 # truncated): programs that compile in about half the time (the CI test's cases).
 # `generate(..., scale=k)`: the same draws with these sizes multiplied by k (model widths
@@ -101,6 +109,8 @@ NO_GRADIENT = 1e-4
 # "N stages need at least as many layers, the forward has M" (autopar/pipeline_planner.py)
 # when user cuts (`mark_pipeline_boundary`) leave fewer layers than stages.
 DOCUMENTED_SKIPS = (re.compile(r"stages need at least as many layers"),)
+# ... and, under a "-tight" budget, that no layout fits it.
+BUDGET_SKIPS = (re.compile(r"no stage layout fits|does not fit|budget"),)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -564,20 +574,50 @@ def generate(seed: int, family: str | None = None, *, small: bool = False,
 # ------------------------------------------------------------------------------ checking
 
 
-def method(name: str, time_limit_s: float = TIME_LIMIT_S):
-    """The autopar method of METHODS' `name`."""
+def method(name: str, time_limit_s: float = TIME_LIMIT_S,
+           memory_budget_bytes: float | None = None):
+    """The autopar method of METHODS' `name` (a "-tight" one under `memory_budget_bytes`,
+    `tight_budget`)."""
     if name.startswith("shard") and name in METHODS:
         return autopar.ShardParallel(num_micro_batches=METHODS[name], time_limit_s=time_limit_s)
     if name.startswith("pipeshard-") and name in METHODS:
-        return autopar.PipeshardParallel(num_micro_batches=METHODS[name],
-                                         num_stages=int(name.split("-")[1]),
-                                         time_limit_s=time_limit_s)
+        stages = int(name.split("-")[1])
+        tight = name.endswith("-tight")
+        return autopar.PipeshardParallel(
+            num_micro_batches=METHODS[name], num_stages=stages, time_limit_s=time_limit_s,
+            schedule="gpipe" if tight and stages == 1 else "1f1b",
+            memory_budget_bytes=memory_budget_bytes if tight else None)
     raise ValueError(f"unknown method {name!r}; expected one of {tuple(METHODS)}")
 
 
-def documented_skip(err: BaseException) -> bool:
-    """Whether `err` is an error a method documents for a case it cannot plan."""
-    return isinstance(err, ValueError) and any(p.search(str(err)) for p in DOCUMENTED_SKIPS)
+def tight_budget(case: Case, name: str, time_limit_s: float = TIME_LIMIT_S,
+                 **kw: Any) -> float:
+    """Bytes per device a "-tight" method `name` plans `case` under: TIGHT_FRACTION of the
+    largest stage of the same method's plan without a budget (`kw`: `parallelize`'s)."""
+    free = autopar.parallelize(case.step, method=method(name, time_limit_s), **kw)
+    plan = free.get_plan(case.init(), case.batch(0))
+    return TIGHT_FRACTION * max(st.memory_bytes for st in plan.stages)
+
+
+def documented_skip(err: BaseException, method_name: str = "") -> bool:
+    """Whether `err` is an error method `method_name` documents for a case it cannot plan
+    (a "-tight" method: also that nothing fits its budget)."""
+    skips = DOCUMENTED_SKIPS + (BUDGET_SKIPS if method_name.endswith("-tight") else ())
+    return isinstance(err, ValueError) and any(p.search(str(err)) for p in skips)
+
+
+def _tight_record(par: Any, case: Case, budget: float) -> dict[str, Any]:
+    """What a "-tight" run planned under `budget` bytes: the layers it rematerialized (of
+    how many), and each stage's compiled peak over the budget and over the planner's."""
+    state, batch = case.init(), case.batch(0)
+    plan = par.get_plan(state, batch)
+    compiled = par.lower(state, batch).compile().stage_memory_bytes()
+    return {"budget": budget,
+            "remat_layers": sum(lp.remat for st in plan.stages for lp in st.layer_plans),
+            "layers": sum(len(st.layer_plans) for st in plan.stages),
+            "compiled_over_budget": max(c / budget for c in compiled),
+            "compiled_over_planned": max(c / st.memory_bytes
+                                         for c, st in zip(compiled, plan.stages))}
 
 
 _REFERENCES: dict[tuple[str, int, int], tuple] = {}
@@ -721,13 +761,19 @@ def check(case: Case, method_name: str, *, steps: int = STEPS,
             warnings.simplefilter("always", autopar.FallbackWarning)
             cluster = _cluster(comm_name)
             kw = {} if cluster is None else {"cluster": cluster}
-            par = autopar.parallelize(case.step, method=method(method_name, time_limit_s), **kw)
+            budget = (tight_budget(case, method_name, time_limit_s, **kw)
+                      if method_name.endswith("-tight") else None)
+            par = autopar.parallelize(case.step, method=method(method_name, time_limit_s,
+                                                               budget), **kw)
+            if budget is not None:
+                out.update(_tight_record(par, case, budget))
             got = run_steps(par, case.init(), [case.batch(i) for i in range(steps)])
             got = (jax.device_get(got[0]), got[1])
     except Exception as err:  # every failure is an outcome here
         head = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
-        out.update(outcome="skip" if documented_skip(err) else "error", error=head,
-                   traceback="" if documented_skip(err) else traceback.format_exc()[-4000:])
+        skip = documented_skip(err, method_name)
+        out.update(outcome="skip" if skip else "error", error=head,
+                   traceback="" if skip else traceback.format_exc()[-4000:])
     else:
         res = compare(ref, got, init=case.init(), **case.tol)
         out.update(res, outcome="equal" if res["equal"] else "differ")
