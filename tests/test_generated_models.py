@@ -121,3 +121,31 @@ def test_pipeline_boundaries_are_not_fallbacks():
             case.init(), case.batch(0))
     found = [str(w.message) for w in caught if issubclass(w.category, autopar.FallbackWarning)]
     assert not found, found
+
+
+def test_a_generated_case_under_a_tight_budget_rematerializes():
+    """Issue 47 on the generated family: an attention case (seed 1, small) planned as one
+    GPipe stage under 0.85x its free plan's stage memory (`generated.TIGHT_FRACTION`)
+    rematerializes a layer, returns the jitted step's numbers, and compiles within 25% of
+    the planner's memory (the fuzz benchmark's "-tight" methods run this over many cases)."""
+    case = generated.generate(1, small=True)
+    assert case.family == "attention", case.description
+    result = generated.check(case, "pipeshard-1-tight")
+    assert result["outcome"] == "equal", _message(case, result)
+    assert result["remat_layers"] >= 1, result
+    assert result["compiled_over_planned"] <= 1.25, result
+
+
+def test_tight_runs_are_tallied():
+    from benchmarks import fuzz
+
+    rows = [{"method": "pipeshard-2-tight", "budget": 1e6, "remat_layers": 2, "layers": 4,
+             "compiled_over_budget": 0.9, "compiled_over_planned": 1.1},
+            {"method": "pipeshard-2-tight", "budget": 1e6, "remat_layers": 0, "layers": 3,
+             "compiled_over_budget": 1.05, "compiled_over_planned": 0.8},
+            {"method": "pipeshard-2-tight", "outcome": "skip"},
+            {"method": "pipeshard-2"}]
+    t = fuzz.tight_tally(rows)
+    assert t == {"pipeshard-2-tight": {
+        "planned": 2, "remat_runs": 1, "remat_layers": 2, "layers": 7, "over_budget": 1,
+        "max_compiled_over_budget": 1.05, "max_compiled_over_planned": 1.1}}
