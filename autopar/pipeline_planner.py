@@ -1293,6 +1293,19 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         return sum(min((p.fixed_floor_s for p in layer_options(k, submesh).values()),
                        default=0.0) for k in range(i, j + 1))
 
+    def stage_alternatives(i: int, j: int, submesh: tuple[int, int], in_flight: int
+                           ) -> list[_StageEstimate]:
+        """Layers i..j's time-optimal options on `submesh` that fit with `in_flight`
+        micro-batches in flight, the fastest on each logical mesh."""
+        whole = i == 0 and j == lay.num_layers - 1 and submesh[0] * submesh[1] == n
+        per_mesh: dict[tuple[int, ...], _StageEstimate] = {}
+        for o in stage_options(i, j, submesh):
+            shape = o.priced[0].mesh.shape
+            if (shape not in per_mesh or o.cost_s < per_mesh[shape].cost_s) \
+                    and stage_fits(o, in_flight, whole):
+                per_mesh[shape] = o
+        return sorted(per_mesh.values(), key=lambda o: o.cost_s)
+
     assemble = functools.partial(
         _assemble, hosts=hosts, per_host=per_host, device_ids=device_ids, ranges=ranges,
         graph=graph, diff=diff, params=params, micro=micro,
@@ -1364,7 +1377,10 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     for c in choices:
         if tuple(c) not in assembled:
             assembled[tuple(c)] = assemble(c)
-    stages, per_step_s, step_s, transfers = min(assembled.values(), key=lambda a: a[2])
+    chosen = min(assembled, key=lambda c: assembled[c][2])
+    # the fastest, its stages' logical meshes then chosen together (`_assemble`)
+    stages, per_step_s, step_s, transfers = assemble(list(chosen),
+                                                     alternatives=stage_alternatives)
     phases["stage assembly"] = time.perf_counter() - t_phase
     if progress:
         progress(f"stages chosen: {[st.layers for st in stages]}"
@@ -1398,53 +1414,96 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
 
 
 def _assemble(choice, *, hosts, per_host, device_ids, ranges, graph, diff, params, micro,
-              state_bytes_per_param_byte, cluster, fitting_stage, stage_options, gpipe
-              ) -> tuple[list[StagePlan], float, float, list[dict[str, Any]]]:
+              state_bytes_per_param_byte, cluster, fitting_stage, stage_options, gpipe,
+              alternatives=None) -> tuple[list[StagePlan], float, float, list[dict[str, Any]]]:
     """The plan's stages for `choice` ((first, last) layer, sub-mesh shape) per stage, with
     their transfers priced from both stages' layouts (`_with_transfers`): (stages, seconds
-    per step of per-step moves, step seconds, the priced transfers)."""
+    per step of per-step moves, step seconds, the priced transfers).
+
+    Each stage starts as its fastest option that fits (`fitting_stage`), chosen alone;
+    with `alternatives(i, j, submesh, in_flight)` (other options of a stage that fit), one
+    stage at a time then takes whichever of its alternatives makes the whole step fastest,
+    the others kept, until none does (at most REFINE_ROUNDS rounds): what a stage sends and
+    receives depends on its neighbours' layouts, which the stage alone does not see."""
     devices = inter_op.assign_devices([s for _, s in choice], hosts, per_host)
-    stages: list[StagePlan] = []
-    layouts: list[StageLayouts] = []
-    for (layers, submesh), devs in zip(choice, devices):
-        # A stage is its layers' solutions on the cheapest logical mesh that fits; the stage
-        # inputs take the specs of the layer reading them first.
-        in_flight = micro if gpipe else len(choice) - len(stages)
-        best = fitting_stage(*layers, submesh, in_flight) or min(
-            stage_options(*layers, submesh), key=lambda o: o.cost_s)
-        start, stop = ranges[layers[0]][0], ranges[layers[1]][1]
-        prog = pipeline.program_for_range(graph, start, stop)
-        wanted = set(prog.inputs)
-        specs: dict[int, Spec] = {}
-        for lp, priced in zip(best.programs, best.priced):
-            for vid, spec in zip(lp.inputs, priced.input_specs):
-                if vid in wanted:
-                    specs.setdefault(vid, spec)
-        mesh = best.priced[0].mesh
-        states = {vid: spec for vid, (spec, _) in state_layouts(
-            best.priced, best.programs, params, graph, best.zero).items()}
-        layouts.append(StageLayouts.of(best.priced, best.programs, states))
-        layer_plans = tuple(
-            LayerPlan(eqn_range=ranges[k], value_specs=p.value_specs,
-                      operand_specs=p.operand_specs, num_values=p.num_values,
-                      predicted_s=p.cost_s, remat=again)
-            for k, p, again in zip(range(layers[0], layers[1] + 1), best.priced,
-                                    best.remat or (False,) * len(best.priced)))
-        stages.append(StagePlan(
-            layers=tuple(layers), eqn_range=(start, stop),
-            device_ids=tuple(device_ids[d] for d in devs), mesh_shape=mesh.shape,
-            mesh_axes=mesh.axes, input_specs=tuple(sorted(specs.items())),
-            predicted_s=best.cost_s,
-            memory_bytes=stage_memory_bytes(best.priced, best.programs, params, graph, micro,
-                                            in_flight, state_bytes_per_param_byte, best.zero,
-                                            whole_step=len(choice) == 1),
-            layer_plans=layer_plans, state_specs=tuple(sorted(
-                (vid, spec) for vid, spec in states.items()
-                if vid in wanted and spec != specs.get(vid)))))
-    stages, per_step_s, transfers = _with_transfers(stages, layouts, graph, diff, params,
-                                                    cluster, per_host)
-    times = [st.predicted_s for st in stages]
-    return stages, per_step_s, sum(times) + (micro - 1) * max(times) + per_step_s, transfers
+    in_flight = [micro if gpipe else len(choice) - k for k in range(len(choice))]
+    build = functools.partial(_stage_plan, ranges=ranges, graph=graph, params=params,
+                              micro=micro, device_ids=device_ids, whole=len(choice) == 1,
+                              state_bytes_per_param_byte=state_bytes_per_param_byte)
+    picks = [fitting_stage(*layers, submesh, flight) or min(
+        stage_options(*layers, submesh), key=lambda o: o.cost_s)
+        for (layers, submesh), flight in zip(choice, in_flight)]
+    built = [build(o, layers, devs, flight)
+             for o, (layers, _), devs, flight in zip(picks, choice, devices, in_flight)]
+
+    def priced(parts: list[tuple[StagePlan, StageLayouts]]):
+        stages, per_step_s, transfers = _with_transfers(
+            [st for st, _ in parts], [lay for _, lay in parts], graph, diff, params, cluster,
+            per_host)
+        times = [st.predicted_s for st in stages]
+        return stages, per_step_s, sum(times) + (micro - 1) * max(times) + per_step_s, transfers
+
+    best = priced(built)
+    others = [] if alternatives is None else [
+        [o for o in alternatives(*layers, submesh, flight) if o is not pick]
+        for (layers, submesh), flight, pick in zip(choice, in_flight, picks)]
+    for _ in range(REFINE_ROUNDS if any(others) else 0):
+        changed = False
+        for k, options in enumerate(others):
+            for o in options:
+                trial = list(built)
+                trial[k] = build(o, choice[k][0], devices[k], in_flight[k])
+                step = priced(trial)
+                if step[2] < best[2] * (1 - REFINE_GAIN):
+                    best, built, changed = step, trial, True
+        if not changed:
+            break
+    return best
+
+
+# `_assemble`'s refinement: rounds over the stages at most, and the relative gain in step
+# time a stage's other option must bring to be taken (below it: the first choice stays).
+REFINE_ROUNDS = 3
+REFINE_GAIN = 1e-9
+
+
+def _stage_plan(best: _StageEstimate, layers: tuple[int, int], devs: Sequence[int],
+                in_flight: int, *, ranges, graph: Graph, params: set[int], micro: int,
+                device_ids: Sequence[int], whole: bool, state_bytes_per_param_byte: float
+                ) -> tuple[StagePlan, StageLayouts]:
+    """Stage `layers` on devices `devs` (indices into `device_ids`) as option `best` (its
+    layers' solutions on one logical mesh) with `in_flight` micro-batches' residuals kept:
+    its plan (transfers not priced yet) and its layouts (`_with_transfers` reads them).
+    The stage inputs take the specs of the layer reading them first."""
+    start, stop = ranges[layers[0]][0], ranges[layers[1]][1]
+    prog = pipeline.program_for_range(graph, start, stop)
+    wanted = set(prog.inputs)
+    specs: dict[int, Spec] = {}
+    for lp, priced in zip(best.programs, best.priced):
+        for vid, spec in zip(lp.inputs, priced.input_specs):
+            if vid in wanted:
+                specs.setdefault(vid, spec)
+    mesh = best.priced[0].mesh
+    states = {vid: spec for vid, (spec, _) in state_layouts(
+        best.priced, best.programs, params, graph, best.zero).items()}
+    layer_plans = tuple(
+        LayerPlan(eqn_range=ranges[k], value_specs=p.value_specs,
+                  operand_specs=p.operand_specs, num_values=p.num_values,
+                  predicted_s=p.cost_s, remat=again)
+        for k, p, again in zip(range(layers[0], layers[1] + 1), best.priced,
+                                best.remat or (False,) * len(best.priced)))
+    stage = StagePlan(
+        layers=tuple(layers), eqn_range=(start, stop),
+        device_ids=tuple(device_ids[d] for d in devs), mesh_shape=mesh.shape,
+        mesh_axes=mesh.axes, input_specs=tuple(sorted(specs.items())),
+        predicted_s=best.cost_s,
+        memory_bytes=stage_memory_bytes(best.priced, best.programs, params, graph, micro,
+                                        in_flight, state_bytes_per_param_byte, best.zero,
+                                        whole_step=whole),
+        layer_plans=layer_plans, state_specs=tuple(sorted(
+            (vid, spec) for vid, spec in states.items()
+            if vid in wanted and spec != specs.get(vid))))
+    return stage, StageLayouts.of(best.priced, best.programs, states)
 
 
 @dataclasses.dataclass(frozen=True)
