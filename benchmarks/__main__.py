@@ -101,6 +101,11 @@ def parts() -> list[Part]:
                     ("solver_tb2_settings.md", "solver_tb2_settings.json"), _tb2_settings_skip))
     # Hours on 2 cores (300 generated cases, each under 4 methods): after the rest.
     out.append(Part("fuzz", (("benchmarks.fuzz",),), ("fuzz.md", "fuzz.json")))
+    # About 45 min on 2 cores (12 generated cases, each under 3 memory-bound pipelines).
+    out.append(Part("fuzz_tight", (("benchmarks.fuzz", "--cases", "12", "--methods",
+                                    "pipeshard-1-tight,pipeshard-2-tight,pipeshard-4-tight",
+                                    "--timeout-s", "900", "--name", "fuzz_tight"),),
+                    ("fuzz_tight.md", "fuzz_tight.json")))
     # About 15 min on 2 cores (36 multi-process launches).
     out.append(Part("multiprocess_fuzz", (("benchmarks.multiprocess_fuzz",),),
                     ("multiprocess_fuzz.md", "multiprocess_fuzz.json")))
