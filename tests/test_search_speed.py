@@ -7,6 +7,7 @@ two the benchmark suite tries by hand (the best hand-written plan's count and 4x
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +80,30 @@ def test_pool_raises_the_solvers_infeasible_error():
         fut = pool.submit(random_problem(0, limit=1e-3), time_limit_s=5.0, backend="auto")
         with pytest.raises(InfeasibleError, match="usage limit"):
             fut.result(timeout=60)
+
+
+def test_a_problem_submitted_while_the_pool_closes_is_answered():
+    """A done-callback in a serving thread (a layer ILP's early retry) may hand a problem
+    over while `close` stops the threads; it must not land behind the stop marks and go
+    unserved (a suite's pipeline search waited 260 s on such a retry and failed)."""
+    pool = SolvePool(workers=1)
+    later = []
+
+    def resubmit(first):
+        deadline = time.monotonic() + 30.0
+        while not pool._jobs.qsize() and time.monotonic() < deadline:  # close's stop mark
+            time.sleep(0.01)
+        later.append(pool.submit(random_problem(5), time_limit_s=5.0, backend="auto"))
+
+    fut = pool.submit(random_problem(4), time_limit_s=5.0, backend="auto")
+    fut.add_done_callback(resubmit)   # before the worker process has started
+    pool.close()
+    assert fut.result(timeout=0).status == "optimal"
+    assert later and later[0].result(timeout=60).status == "optimal"
+    # and the pool serves again after closing
+    again = pool.submit(random_problem(6), time_limit_s=5.0, backend="auto")
+    assert again.result(timeout=120).status == "optimal"
+    pool.close()
 
 
 def test_pool_without_workers_solves_inline():
