@@ -143,8 +143,13 @@ class StageProgram:
     Attributes:
       eqns: equation indices, in order.
       inputs: value ids the stage reads but does not compute (F inputs or earlier stages'
-        outputs), sorted.
-      outputs: value ids the stage computes that later stages or F's outputs read.
+        outputs), in the order its equations first read them: two ranges computing the
+        same equations list their inputs alike whatever their ids (F's parameters are
+        numbered in name order, Block_10 before Block_7), so a layer solution stored by
+        input position (`pipeline_planner._Priced`) and the forward+backward program
+        traced from these inputs (`layer.LayerProgram`) serve every identical layer.
+      outputs: value ids the stage computes that later stages or F's outputs read, sorted
+        (the order they are computed in).
     """
 
     eqns: tuple[int, ...]
@@ -156,11 +161,12 @@ def program_for_range(graph: Graph, start: int, stop: int) -> StageProgram:
     """The stage running F's equations [start, stop)."""
     inside = {o for i in range(start, stop) for o in graph.eqns[i].outputs}
     final = {op for op in graph.outvars if isinstance(op, int)}
-    reads = {op for i in range(start, stop) for op in graph.eqns[i].inputs
+    reads = [op for i in range(start, stop) for op in graph.eqns[i].inputs
              if isinstance(op, int) and op not in inside
-             and graph.values[op].const_index is None}
+             and graph.values[op].const_index is None]
     outs = {o for o in inside if o in final or any(c >= stop for c in graph.consumers[o])}
-    return StageProgram(tuple(range(start, stop)), tuple(sorted(reads)), tuple(sorted(outs)))
+    return StageProgram(tuple(range(start, stop)), tuple(dict.fromkeys(reads)),
+                        tuple(sorted(outs)))
 
 
 def stage_programs(graph: Graph, cuts: Sequence[int]) -> list[StageProgram]:

@@ -81,12 +81,12 @@ class _Priced:
     """One layer range's forward+backward solved on one logical mesh.
 
     The per-value tuples are positional — `input_specs` and `ct_out_specs` aligned with the
-    range's `StageProgram.inputs`, `output_specs` and `ct_in_specs` with its `outputs`
-    (sorted value ids) — so a result cached for one layer applies position by position to
-    an identical layer.  `ct_out_specs[k]` is the layout the backward gives input k's
-    cotangent in (None: no cotangent); `ct_in_specs[k]` the layout it wants output k's in.
-    `value_specs` / `operand_specs` are the solution over the layer's forward+backward
-    program (ids of that program, the same for identical layers).
+    range's `StageProgram.inputs` (in first-read order), `output_specs` and `ct_in_specs`
+    with its `outputs` (sorted value ids) — so a result cached for one layer applies
+    position by position to an identical layer.  `ct_out_specs[k]` is the layout the
+    backward gives input k's cotangent in (None: no cotangent); `ct_in_specs[k]` the layout
+    it wants output k's in.  `value_specs` / `operand_specs` are the solution over the
+    layer's forward+backward program (ids of that program, the same for identical layers).
     """
 
     cost_s: float
@@ -1903,11 +1903,11 @@ def _program_key(graph: Graph, prog: pipeline.StageProgram, diff: set[int]) -> s
     """Identity of a layer for caching: its equations' text with value ids renumbered, the
     renumbered input at each input position, and which inputs carry gradients.
 
-    A solution is stored by input position (`prog.inputs`, sorted by value id) and applied
-    to every layer with the same key, so the key holds which value each position is: two
-    layers computing the same equations can number their inputs in another order (parameters
-    are numbered in name order, Block_10 before Block_7, so a layer that ends one block and
-    starts the next reads them the other way round)."""
+    A solution is stored by input position (`prog.inputs`) and applied to every layer with
+    the same key, so the key holds which value each position is.  Inputs are listed in the
+    order the equations first read them (`pipeline.program_for_range`), so layers computing
+    the same equations match whatever the ids of their inputs (parameters are numbered in
+    name order, Block_10 before Block_7)."""
     ren: dict[int, int] = {}
 
     def name(v):

@@ -16,7 +16,11 @@ from typing import Any
 from autopar.cost_model.jsonio import write_json_atomic
 from autopar.passes.sharding_spec import Spec, spec_from_json, spec_to_json
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
+# Format 1 numbered the values of a pipeline layer's forward+backward program with the
+# layer's inputs in value-id order, format 2 in the order the layer first reads them
+# (`pipeline.program_for_range`); plans without layer solutions read alike in both.
+_READABLE_WITHOUT_LAYER_SOLUTIONS = (1,)
 
 
 class PlanError(ValueError):
@@ -246,9 +250,14 @@ class Plan:
     def from_json(data: dict[str, Any], source: str = "<plan>") -> Plan:
         try:
             version = data["format_version"]
-            if version != PLAN_FORMAT_VERSION:
-                raise PlanError(f"{source}: plan format_version {version} is not supported "
-                                f"(this autopar reads {PLAN_FORMAT_VERSION})")
+            if version != PLAN_FORMAT_VERSION and not (
+                    version in _READABLE_WITHOUT_LAYER_SOLUTIONS
+                    and not data.get("layer_solutions")):
+                raise PlanError(
+                    f"{source}: plan format_version {version} is not supported (this autopar "
+                    f"reads {PLAN_FORMAT_VERSION}, and "
+                    f"{', '.join(map(str, _READABLE_WITHOUT_LAYER_SOLUTIONS))} for plans "
+                    f"without pipeline layer solutions); plan the step again")
             return Plan(
                 fingerprint=str(data["fingerprint"]),
                 method=str(data["method"]),

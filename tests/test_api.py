@@ -142,6 +142,11 @@ def test_malformed_plan_file(tmp_path):
     path.write_text(json.dumps({"format_version": 1}))
     with pytest.raises(autopar.PlanError, match="missing field 'fingerprint'"):
         autopar.Plan.load(path)
+    # format 1 numbered a pipeline layer's values with its inputs in id order: its layer
+    # solutions would name other values now, so such a plan is refused, not misread
+    path.write_text(json.dumps({"format_version": 1, "layer_solutions": [{}]}))
+    with pytest.raises(autopar.PlanError, match="format_version 1 is not supported.*again"):
+        autopar.Plan.load(path)
 
 
 def test_indivisible_dims_are_simply_not_split():

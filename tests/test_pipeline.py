@@ -228,30 +228,42 @@ def test_stage_search_is_no_slower_than_one_stage_over_every_device(monkeypatch)
     assert auto.predicted.step_s <= one.predicted.step_s * (1 + 1e-9)
 
 
-def test_layer_reuse_key_holds_which_value_each_input_position_is():
+def test_layers_that_read_their_parameters_in_another_id_order_share_one_solution():
     """Layer solutions are stored by input position and reused for every layer with the
-    same key: two layers with the same equations that read their parameters in the other
-    id order (Block_10's parameters are numbered before Block_7's) must not share one.
-    Layer 1 reads w0 then w1 (ids in that order), layer 2 reads w3 then w2, layer 3 reads
-    w4 then w5: layers 1 and 3 are the same program, layer 2 is not."""
+    same key.  Two layers with the same equations can read their parameters in the other id
+    order (Block_10's parameters are numbered before Block_7's): layer 1 reads w0 then w1
+    (ids in that order), layer 2 reads w3 then w2, layer 3 reads w4 then w5.  A layer lists
+    its inputs in the order it first reads them, so all three are one program (one set of
+    layer ILPs, GPT-39B's layers 1 and 3 were solved apart), and their forward+backward
+    programs number their values alike, so one layer's solution names the same values in
+    the others; a layer that reads them in another pattern is another program."""
     import jax.numpy as jnp
 
     from autopar.graph import Graph
+    from autopar.layer import LayerProgram
     from autopar.pipeline import program_for_range
     from autopar.pipeline_planner import _program_key
 
     def f(w, x):
         for first, second in ((0, 1), (3, 2), (4, 5)):
             x = jnp.tanh(jnp.tanh(x @ w[first]) @ w[second])
+        x = jnp.tanh(w[6] @ jnp.tanh(x @ w[7]))  # the other operand order
         return x.sum()
 
-    w = [jax.ShapeDtypeStruct((16, 16), jnp.float32)] * 6
-    graph = Graph.from_jaxpr(jax.make_jaxpr(f)(w, jax.ShapeDtypeStruct((4, 16), jnp.float32)))
+    w = [jax.ShapeDtypeStruct((16, 16), jnp.float32)] * 8
+    x = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+    graph = Graph.from_jaxpr(jax.make_jaxpr(f)(w, x))
     assert [e.name for e in graph.eqns[:4]] == ["dot_general", "tanh"] * 2
-    layers = [program_for_range(graph, 4 * k, 4 * k + 4) for k in range(3)]
-    keys = [_program_key(graph, prog, set()) for prog in layers]
-    assert keys[0] == keys[2]
-    assert keys[1] != keys[0]
+    layers = [program_for_range(graph, 4 * k, 4 * k + 4) for k in range(4)]
+    ws = graph.invars[:8]
+    assert [tuple(ws.index(v) if v in ws else "x" for v in p.inputs) for p in layers] == [
+        ("x", 0, 1), ("x", 3, 2), ("x", 4, 5), ("x", 7, 6)]
+    keys = [_program_key(graph, prog, set(ws)) for prog in layers]
+    assert keys[0] == keys[1] == keys[2] != keys[3]
+    fbs = [LayerProgram.build(graph, prog, set(ws)).fb for prog in layers[:3]]
+    text = [[(e.name, e.inputs, e.outputs) for e in fb.eqns] + [fb.invars, fb.outvars]
+            for fb in fbs]
+    assert text[0] == text[1] == text[2]
 
 
 def test_a_fixed_3d_plan_on_a_communication_only_cluster():
