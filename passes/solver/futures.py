@@ -59,12 +59,8 @@ class SolvePool:
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._pool = WorkerPool(max(1, self.workers), handler="solve")
-        # Guards `_threads`, `_closing` and the order of jobs and stop marks in `_jobs`.
+        # Guards `_threads` and the order of jobs and stop marks in `_jobs`.
         self._lock = threading.Lock()
-        # Set while `close` stops the serving threads: a problem handed over then (by a
-        # done-callback in a serving thread, e.g. a retry) is solved where it is submitted,
-        # since its job would land behind the stop marks and never be served.
-        self._closing = False
         self.solved_in_workers = 0
 
     def __enter__(self) -> SolvePool:
@@ -77,60 +73,64 @@ class SolvePool:
         """Starts the serving threads now (their worker processes' imports overlap the
         caller's work)."""
         with self._lock:
-            if not self._closing:
-                self._start_threads()
+            self._start_threads()
 
     def submit(self, problem: ShardingProblem, *, time_limit_s: float, backend: str,
                threads: int = 1) -> concurrent.futures.Future:
-        """A future of `solve(problem, ...)`; inline (already done) without workers or
-        while the pool is closing."""
+        """A future of `solve(problem, ...)`; inline (already done) without workers."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            queued = bool(self.workers) and not self._closing
-            if queued:
-                self._start_threads()
-                self._jobs.put((fut, problem, time_limit_s, backend, threads))
-        if not queued:
+        if not self.workers:
             _run_inline(fut, problem, time_limit_s, backend, threads)
+            return fut
+        with self._lock:
+            self._start_threads()
+            self._jobs.put((fut, problem, time_limit_s, backend, threads))
         return fut
 
     def close(self, cancel: bool = False) -> None:
         """Stops the workers after the queued problems (with `cancel`, drops those not
         started yet: their futures are cancelled), waiting at most CLOSE_TIMEOUT_S for
-        them; workers still solving then are killed (their futures get an error).  Problems
-        submitted while it closes are solved where they are submitted; the pool starts
-        again on the next `submit`."""
-        with self._lock:
-            self._closing = True
-            threads = list(self._threads)
-            dropped = self._drain() if cancel else []
-            for _ in threads:
-                self._jobs.put(None)
-        for job in dropped:   # outside the lock: a future's callbacks may submit
-            job[0].cancel()
+        them; workers still solving then are killed (their futures get an error).
+
+        A problem handed over while the threads stop (by a done-callback in a serving
+        thread: a layer ILP's early retry) lands behind their stop marks: the threads start
+        again for it, and stop once nothing is left.  Solves stay in the worker processes
+        (toulbar2's options are process-wide: two solves in threads of one process break
+        each other).  The pool starts again on the next `submit`."""
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        while True:
+            with self._lock:
+                threads = list(self._threads)
+                dropped = self._drain() if cancel else []
+                for _ in threads:
+                    self._jobs.put(None)
+            for job in dropped:   # outside the lock: a future's callbacks may submit
+                job[0].cancel()
+            self._join(threads, deadline)
+            with self._lock:
+                left = self._drain()
+                self._threads.clear()
+                if left and not cancel and time.monotonic() < deadline:
+                    for job in left:  # handed over while the threads stopped: serve them
+                        self._jobs.put(job)
+                    self._start_threads()
+                    continue
+            for job in left:
+                job[0].cancel()
+            return
+
+    def _join(self, threads: list[threading.Thread], deadline: float) -> None:
+        """Waits for `threads` until `deadline`; a worker still solving then is killed (its
+        serving thread then returns; one solving in this process is left to its daemon
+        thread)."""
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
         if any(t.is_alive() for t in threads):
-            # A problem still solving past the bound: stop its worker process (its serving
-            # thread then returns); one solved in this process is left to its daemon thread.
             for w in list(self._pool.workers):
                 if w is not None and w.alive():
                     w.proc.kill()
             for t in threads:
                 t.join(2.0)
-        with self._lock:
-            left = self._drain()
-        # Jobs no serving thread took (one that ended early) are never left unanswered;
-        # stop marks not taken were dropped.
-        for job in left:
-            if cancel:
-                job[0].cancel()
-            else:
-                _run_inline(*job)
-        with self._lock:
-            self._threads.clear()
-            self._closing = False
 
     def _drain(self) -> list[_Job]:
         """The jobs still queued, taken off the queue (stop marks dropped)."""
