@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh
 
 from autopar.cost_model import ClusterSpec, hlo_audit
 from autopar.cost_model.units import format_bytes
@@ -21,6 +21,7 @@ from . import (
     distributed,
     inline,
     markers,
+    micro_batches,
     microbatch,
     outer,
     pipeline,
@@ -30,12 +31,14 @@ from . import (
     schedules,
     transfer,
 )
-from .emit import build_mesh, emit, to_pspec
+from .constraints import build_mesh
+from .emit import emit
 from .methods import Method, ShardParallel
 from .passes import fallbacks, inter_op
 from .passes.intra_op import MemoryBudgetError
 from .plan import Plan, PlanError, verify_plan
 from .runtime import PipelineRuntime
+from .traced import OtherShapes, Traced, leaf_positions
 
 
 class FingerprintError(PlanError):
@@ -49,127 +52,6 @@ def _normalize_argnums(name: str, argnums: int | Sequence[int]) -> tuple[int, ..
     if any(not isinstance(i, int) or i < 0 for i in out):
         raise ValueError(f"parallelize({name}={argnums!r}): expected non-negative ints")
     return out
-
-
-@dataclasses.dataclass(eq=False)
-class Traced:
-    """A parallelized step traced and planned for one set of argument shapes — what
-    `step.trace(*args)` returns (the shape of `jax.jit(f).trace(*args)`).
-
-    Attributes:
-      program: the traced step (graph, input names and roles, ties new state → state) that
-        the plan was made for; with micro-batches on one mesh, every micro-batch unrolled.
-      plan: the plan, searched or loaded.
-      split: for pipeline plans, the step traced at micro-batch size and split around its
-        compute-grad equation (`split.forward_graph()` is the program the stages cut);
-        None for single-mesh plans.
-      out_tree: the step's output treedef.
-      in_tree: the treedef of the dynamic (non-static) arguments.
-      args_info: `jax.ShapeDtypeStruct` of every flattened dynamic argument.
-    """
-
-    program: planner.Program
-    plan: Plan
-    split: pipeline.SplitStep | None
-    out_tree: Any
-    in_tree: Any
-    args_info: tuple[jax.ShapeDtypeStruct, ...]
-    _trace: _Trace = dataclasses.field(repr=False)
-    _positions: list[int] = dataclasses.field(repr=False)
-    _trace_static: tuple = dataclasses.field(repr=False)
-    _step: ParallelizedFunction = dataclasses.field(repr=False)
-    _executable: Any = dataclasses.field(default=None, repr=False)
-    _layouts: dict[str, list] = dataclasses.field(default_factory=dict, repr=False)
-    _built_fallbacks: list = dataclasses.field(default_factory=list, repr=False)
-
-    @property
-    def graph(self) -> Graph:
-        """The flattened step (`program.graph`)."""
-        return self.program.graph
-
-    @property
-    def executable(self):
-        """What runs the plan on this process's devices, built on first use: a jitted
-        function of the flattened arguments (single mesh) or the `PipelineRuntime`."""
-        if self._executable is None:
-            with fallbacks.collecting() as found:
-                self._executable = self._step._build(self)
-            self._built_fallbacks.extend(found)
-        return self._executable
-
-    @property
-    def fallbacks(self) -> tuple[fallbacks.Fallback, ...]:
-        """Every fallback of this step (`autopar.FallbackWarning`): the search's
-        (`plan.solver["fallbacks"]`) and the runtime's while building the executable and
-        lowering it through `lower()`; empty when the programs are the plan."""
-        planned = tuple(fallbacks.Fallback(**f) for f in self.plan.solver.get("fallbacks", []))
-        return planned + tuple(self._built_fallbacks)
-
-    def lower(self):
-        """JAX's `Lowered` program (`.compile()` gives the compiled executable with
-        `as_text()`, `memory_analysis()`, `cost_analysis()`); for pipeline plans, an object
-        whose `.compile()` gives every compiled program of the step."""
-        executable = self.executable
-        with fallbacks.collecting() as found:
-            lowered = executable.lower(*self.args_info)
-        self._built_fallbacks.extend(f for f in found if f not in self._built_fallbacks)
-        return lowered
-
-    def input_shardings(self) -> tuple:
-        """The `jax.sharding.Sharding` the program expects for every leaf of every dynamic
-        argument (static arguments excluded): a tuple with one pytree per argument, in
-        argument order.  Arguments laid out so (`autopar.place`, or a checkpoint restored
-        into them) reach the program without a reshard."""
-        return tuple(jax.tree_util.tree_unflatten(self.in_tree, self._shardings("in")))
-
-    def output_shardings(self) -> Any:
-        """The `jax.sharding.Sharding` of every leaf the step returns (a pytree like the
-        output) when its arguments are laid out as `input_shardings()`."""
-        return jax.tree_util.tree_unflatten(self.out_tree, self._shardings("out"))
-
-    def _shardings(self, side: Literal["in", "out"]) -> list[jax.sharding.Sharding]:
-        """Flattened input ("in") or output ("out") shardings, computed once."""
-        if side not in self._layouts:
-            if self.plan.stages:   # the pipeline runtime decides where values live
-                runtime = self.executable
-                self._layouts[side] = (runtime.input_shardings() if side == "in"
-                                       else runtime.output_shardings())
-            else:
-                mesh = build_mesh(self.plan, self._step._devices())
-                specs = self.plan.in_specs if side == "in" else self.plan.out_specs
-                self._layouts[side] = [NamedSharding(mesh, to_pspec(s)) for s in specs]
-        return self._layouts[side]
-
-    def donated_leaves(self) -> list[int]:
-        """Flattened input positions the step donates (see `parallelize(donate_argnums=)`)."""
-        donated = set(self._step._donated_args(self))
-        return [k for k, p in enumerate(_leaf_positions(self.in_tree, self._positions))
-                if p in donated]
-
-    def fast_call(self) -> Callable:
-        """`step(*args)` for these argument shapes as one `jax.jit` (its C++ dispatch is the
-        whole per-call cost); tracing other shapes raises `_OtherShapes`."""
-        step = self._step
-        expected = [(tuple(a.shape), jax.numpy.dtype(a.dtype)) for a in self.args_info]
-        static = {p: a for p, a in self._trace_static}
-        flat = self.executable
-
-        def body(*args):
-            dynamic, static_now, _ = step._split(args)
-            leaves, tree = jax.tree_util.tree_flatten(dynamic)
-            got = [(tuple(jax.numpy.shape(x)), jax.numpy.result_type(x)) for x in leaves]
-            if tree != self.in_tree or got != expected or dict(static_now) != static:
-                raise _OtherShapes()
-            return jax.tree_util.tree_unflatten(self.out_tree, flat(*leaves))
-
-        shardings = jax.tree_util.tree_unflatten(self.in_tree, self._shardings("in"))
-        in_shardings = [None] * (len(self._positions) + len(static))
-        for pos, sh in zip(self._positions, shardings):
-            in_shardings[pos] = sh
-        in_shardings = [sh for p, sh in enumerate(in_shardings) if p not in static]
-        return jax.jit(body, static_argnums=tuple(sorted(static)),
-                       donate_argnums=step._donated_args(self),
-                       in_shardings=tuple(in_shardings))
 
 
 class ParallelizedFunction:
@@ -210,7 +92,7 @@ class ParallelizedFunction:
         if fast is not None:
             try:
                 return fast(*args)
-            except _OtherShapes:
+            except OtherShapes:
                 pass
         traced, leaves = self._traced(args)
         if traced.plan.stages:
@@ -229,7 +111,7 @@ class ParallelizedFunction:
         # output) go as they are, as they will on later calls.
         spans = transfer.multi_process()
         shardings = traced._shardings("in")
-        leaf_pos = _leaf_positions(traced.in_tree, traced._positions)
+        leaf_pos = leaf_positions(traced.in_tree, traced._positions)
         moving = [k for k, x in enumerate(leaves)
                   if k in donated or spans or getattr(x, "committed", False)
                   or (isinstance(x, jax.Array) and leaf_pos[k] not in self.batch_argnums)]
@@ -316,8 +198,6 @@ class ParallelizedFunction:
             device_ids = [d.id for d in devices]
         fixed = self.fixed_plan
         if fixed is None and self.method.num_micro_batches == "auto":
-            from . import micro_batches
-
             def search_counts() -> Traced:
                 return micro_batches.search(self, dynamic, static, positions, in_tree,
                                             cluster, device_ids)
@@ -483,7 +363,7 @@ class ParallelizedFunction:
         if self.donate_argnums != "auto":
             return tuple(self.donate_argnums)
         tied = {i for _, i in traced.program.ties}
-        leaf_pos = _leaf_positions(traced.in_tree, traced._positions)
+        leaf_pos = leaf_positions(traced.in_tree, traced._positions)
         out = []
         for pos in traced._positions:
             mine = [k for k, p in enumerate(leaf_pos) if p == pos]
@@ -546,23 +426,9 @@ def _pipeline_runtime(traced: Traced, devices, donate: Sequence[int]) -> Pipelin
                            donate=donate)
 
 
-class _OtherShapes(Exception):
-    """Raised while the fast path traces arguments another plan is for."""
-
-
 def _is_weak(x: Any) -> bool:
     """Python scalars trace as weakly typed values, as under jax.jit."""
     return isinstance(x, int | float | complex) or bool(getattr(x, "weak_type", False))
-
-
-def _leaf_positions(in_tree, positions: list[int]) -> list[int]:
-    """The original argument position of every flattened leaf."""
-    marked = jax.tree_util.tree_unflatten(in_tree, list(range(in_tree.num_leaves)))
-    out = [0] * in_tree.num_leaves
-    for pos, sub in zip(positions, marked):
-        for leaf in jax.tree_util.tree_leaves(sub):
-            out[leaf] = pos
-    return out
 
 
 def _resolve_cluster(cluster: ClusterSpec | str | None, devices) -> ClusterSpec:
@@ -621,7 +487,7 @@ def trace(fun: Callable, dynamic: list, static: tuple, positions: list[int], in_
     paths = [planner.describe_path(p) for p, _ in
              jax.tree_util.tree_flatten_with_path(
                  {f"arg{pos}": sub for pos, sub in zip(positions, dynamic)})[0]]
-    leaf_pos = _leaf_positions(in_tree, positions)
+    leaf_pos = leaf_positions(in_tree, positions)
     batch_positions = {i for i, p in enumerate(leaf_pos) if p in batch_argnums}
     batch_sizes = [jax.numpy.shape(leaves[i])[0] for i in sorted(batch_positions)
                    if jax.numpy.shape(leaves[i])]

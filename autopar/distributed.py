@@ -624,7 +624,7 @@ def input_shardings(step, *args) -> tuple:
     batch leaf (`batch_argnums`) split by rows over them (replicated when its rows do not
     divide); the first step copies each stage's part onto its sub-mesh, and the state it
     returns is laid out by stage from then on."""
-    from .emit import build_mesh, to_pspec
+    from .constraints import build_mesh, to_pspec
 
     traced = step.trace(*args)
     plan = traced.plan

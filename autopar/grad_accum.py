@@ -39,7 +39,7 @@ from autopar.interpret import bind
 from autopar.passes import primitives
 from autopar.passes.sharding_spec import Spec
 
-from .emit import to_pspec
+from .constraints import to_pspec
 from .passes import fallbacks
 
 

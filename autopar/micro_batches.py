@@ -46,9 +46,10 @@ from .passes.inter_op import NoStageLayoutError
 from .passes.intra_op import MemoryBudgetError
 from .pipeline_planner import StageCostTable
 from .plan import Plan
+from .traced import Traced, leaf_positions
 
 if TYPE_CHECKING:
-    from .api import ParallelizedFunction, Traced
+    from .api import ParallelizedFunction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,8 +270,6 @@ def search(step: ParallelizedFunction, dynamic: list, static: tuple, positions: 
     """`step._plan` for a method with `num_micro_batches="auto"`: traces and searches the
     counts `bounded` visits (each search's stage costs bound the larger counts,
     `lower_bound_s`) and returns the fastest one's `Traced`."""
-    from .api import Traced
-
     method = step.method
     counts = ladder(_batch_size(step, dynamic, positions, in_tree))
     results: dict[int, tuple[Any, Any, Plan]] = {}
@@ -333,12 +332,8 @@ def _batch_size(step: ParallelizedFunction, dynamic: list, positions: list[int],
                 in_tree) -> int:
     """The rows every batch leaf has (their greatest common divisor: any micro-batch count
     must divide each)."""
-    import math
-
-    from .api import _leaf_positions
-
     leaves = jax.tree_util.tree_leaves(dynamic)
-    leaf_pos = _leaf_positions(in_tree, positions)
+    leaf_pos = leaf_positions(in_tree, positions)
     sizes = [jax.numpy.shape(x)[0] for x, p in zip(leaves, leaf_pos)
              if p in step.batch_argnums and jax.numpy.shape(x)]
     if not sizes:

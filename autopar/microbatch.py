@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from autopar.graph import Graph, is_float
 from autopar.interpret import bind, read, run_eqns
 
-from .emit import Constraints
+from .constraints import Constraints
 from .grad_accum import Deferral, DeferredBackward, GradSum, gradient_contractions, skip_sums
 from .markers import compute_grad_p
 from .plan import Plan

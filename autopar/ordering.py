@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 from autopar.passes import fallbacks
 from autopar.passes.sharding_spec import Spec
 
-from .emit import to_pspec
+from .constraints import to_pspec
 
 
 def _local_ok(x: Any, spec: Spec | None, mesh: Mesh) -> bool:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from autopar.cost_model.jsonio import write_json_atomic
-from autopar.passes.sharding_spec import Spec, spec_from_json, spec_to_json
+from autopar.passes.sharding_spec import Spec, format_spec, spec_from_json, spec_to_json
 
 PLAN_FORMAT_VERSION = 2
 # Format 1 numbered the values of a pipeline layer's forward+backward program with the
@@ -327,19 +327,6 @@ class Plan:
         schedules.schedule_chart(sched, path, fwd_s=fwd, bwd_s=bwd,
                                  title=f"{self.method}: {len(self.stages)} stages, "
                                        f"{self.num_micro_batches} micro-batches (seconds)")
-
-
-def format_spec(spec: Spec) -> str:
-    """PartitionSpec-like text: P('x', None, ('x','y'))."""
-    parts = []
-    for axes in spec:
-        if not axes:
-            parts.append("None")
-        elif len(axes) == 1:
-            parts.append(repr(axes[0]))
-        else:
-            parts.append("(" + ", ".join(repr(a) for a in axes) + ")")
-    return "P(" + ", ".join(parts) + ")"
 
 
 def _jsonable(obj: Any) -> Any:

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 from autopar.cost_model import ClusterSpec
 from autopar.cost_model.units import format_bytes
 from autopar.graph import itemsize
-
-from .plan import Plan, StagePlan, format_spec
+from autopar.passes.sharding_spec import format_spec
 
 if TYPE_CHECKING:
-    from .api import Traced
+    from .plan import Plan, StagePlan
+    from .traced import Traced
 
 # Split inputs listed by name under a single-mesh plan's summary.
 _SPLIT_LISTED = 12

@@ -34,7 +34,7 @@ from autopar.graph import Graph, is_float
 from autopar.passes.sharding_spec import Spec
 
 from . import ordering, transfer
-from .emit import Constraints, to_pspec
+from .constraints import Constraints, to_pspec
 from .grad_accum import (
     Deferral,
     DeferredBackward,

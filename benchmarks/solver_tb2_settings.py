@@ -41,7 +41,7 @@ import time
 import numpy as np
 
 from autopar.passes.solver import load_iopddl
-from autopar.passes.solver.heuristic import LocalSearch, initial_strategies
+from autopar.passes.solver.local_search import LocalSearch, initial_strategies
 from autopar.passes.solver.penalty import Penalty
 from autopar.passes.solver.pool import Request, WorkerPool
 from autopar.passes.solver.reduce import reduce_problem

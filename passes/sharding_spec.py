@@ -327,6 +327,19 @@ def _dim_of(spec: Spec, axis: str) -> int | None:
     return None
 
 
+def format_spec(spec: Spec) -> str:
+    """PartitionSpec-like text: P('x', None, ('x','y'))."""
+    parts = []
+    for axes in spec:
+        if not axes:
+            parts.append("None")
+        elif len(axes) == 1:
+            parts.append(repr(axes[0]))
+        else:
+            parts.append("(" + ", ".join(repr(a) for a in axes) + ")")
+    return "P(" + ", ".join(parts) + ")"
+
+
 def spec_to_json(spec: Spec) -> list[list[str]]:
     return [list(d) for d in spec]
 

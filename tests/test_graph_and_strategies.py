@@ -127,8 +127,8 @@ REORDER_CASES = [
 def test_reorders_matches_the_collective_permutes_xla_emits(src, dst, moves):
     from jax.sharding import AxisType, Mesh, NamedSharding
 
+    from autopar.constraints import to_pspec
     from autopar.cost_model import hlo_audit
-    from autopar.emit import to_pspec
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"),
                 axis_types=(AxisType.Auto,) * 2)

@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 import autopar
+from autopar.constraints import to_pspec
 from autopar.cost_model import compile_log
-from autopar.emit import to_pspec
 from autopar.passes.sharding_spec import full_rematerialization, gather_first
 
 from models import gpt_case, mlp_case, moe_case

@@ -349,7 +349,7 @@ def test_input_shardings_give_the_plan_layouts_and_pipeline_inputs():
     par = autopar.parallelize(step, method=autopar.DataParallel())
     w_sharding, batch_sharding = dist.input_shardings(par, w, batch)
     plan = par.get_plan(w, batch)
-    assert w_sharding.spec == autopar.emit.to_pspec(plan.in_specs[0])
+    assert w_sharding.spec == autopar.constraints.to_pspec(plan.in_specs[0])
     assert batch_sharding["x"].spec[0] is not None  # data parallel: the batch is split
     pipe = autopar.parallelize(step, method=autopar.PipeshardParallel(num_micro_batches=2,
                                                                       num_stages=2))

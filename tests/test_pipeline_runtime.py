@@ -141,7 +141,7 @@ def test_stage_programs_take_the_planned_layouts():
         for vid, sharding in zip(runner.float_outs, comp.forward.output_shardings[0]):
             if vid in outs and outs[vid] in specs:
                 want = jax.sharding.NamedSharding(runner.mesh,
-                                                  autopar.emit.to_pspec(specs[outs[vid]]))
+                                                  autopar.constraints.to_pspec(specs[outs[vid]]))
                 reader = next((r for r in runtime.stages[runtime.stages.index(runner) + 1:]
                                if vid in r.input_shardings), None)
                 if reader is not None and reader.mesh.size == runner.mesh.size:
@@ -234,7 +234,7 @@ def test_parameters_are_read_from_the_layout_they_arrive_in():
     locally. Same numbers either way."""
     from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-    from autopar.emit import Constraints
+    from autopar.constraints import Constraints
     from autopar.graph import Graph
 
     mesh = Mesh(np.array(jax.devices()[:8]), ("x",), axis_types=(AxisType.Auto,))
@@ -301,7 +301,7 @@ def test_gradient_reduction_keeps_the_accumulators_other_splits(have, spec):
     and gathers nothing over y first."""
     from jax.sharding import AxisType, Mesh, NamedSharding
 
-    from autopar.emit import to_pspec
+    from autopar.constraints import to_pspec
     from autopar.grad_accum import reduce_to, stacked_spec
 
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"),

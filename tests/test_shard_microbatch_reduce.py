@@ -27,8 +27,8 @@ import pytest
 
 import autopar
 from autopar import microbatch
+from autopar.constraints import build_mesh
 from autopar.cost_model import hlo_audit
-from autopar.emit import build_mesh
 
 from helpers import micro_batch_value_and_grad, run_steps
 

@@ -14,7 +14,8 @@ import pytest
 from test_solver import random_problem
 
 from autopar.passes.solver import InfeasibleError, lns
-from autopar.passes.solver.heuristic import LocalSearch, heuristic, initial_strategies
+from autopar.passes.solver.heuristic import heuristic
+from autopar.passes.solver.local_search import LocalSearch, initial_strategies
 from autopar.passes.solver.merge import merge
 from autopar.passes.solver.reduce import reduce_problem
 

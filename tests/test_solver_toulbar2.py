@@ -203,7 +203,8 @@ def test_last_round_answers_get_the_final_polish(final_polish_s):
     cheapest) are repaired and polished in final_polish_s past it; with no such window
     they are dropped.  Fake pool on a small random problem: round 1 answers a feasible
     choice, round 2 (which runs past the deadline) the cheapest one, over the limit."""
-    from autopar.passes.solver.heuristic import LocalSearch, heuristic
+    from autopar.passes.solver.heuristic import heuristic
+    from autopar.passes.solver.local_search import LocalSearch
     from autopar.passes.solver.penalty import Penalty, penalty_search
     from autopar.passes.solver.pool import Answer
 
@@ -245,7 +246,7 @@ def test_last_round_answers_get_the_final_polish(final_polish_s):
 
 def test_region_model_is_exact():
     """A region covering every node, knapsacks included, solves the whole problem."""
-    from autopar.passes.solver.heuristic import LocalSearch, initial_strategies
+    from autopar.passes.solver.local_search import LocalSearch, initial_strategies
     from autopar.passes.solver.pool import Request, WorkerPool
     from autopar.passes.solver.tb2_lns import apply_answer, region_model
 
@@ -367,7 +368,7 @@ def test_inline_timer_does_not_outlive_its_solve():
 def test_memory_repair_fits_and_adds_no_forbidden_term():
     """repair_memory only lowers nodes' usage and never adds a forbidden term; without
     forbidden terms it always fits when the least-usage choice does."""
-    from autopar.passes.solver.heuristic import LocalSearch, repair_memory
+    from autopar.passes.solver.local_search import LocalSearch, repair_memory
 
     repaired = 0
     for seed in range(40):

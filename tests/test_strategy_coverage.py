@@ -31,8 +31,8 @@ from jax.sharding import Mesh, NamedSharding
 import autopar
 from autopar import inline, markers
 from autopar import models as zoo
+from autopar.constraints import to_pspec
 from autopar.cost_model import ClusterSpec, hlo_audit
-from autopar.emit import to_pspec
 from autopar.graph import Graph
 from autopar.passes import primitives
 from autopar.passes import strategies as st

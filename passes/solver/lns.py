@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from .heuristic import LocalSearch
+from .local_search import LocalSearch
 
 _INF = np.inf
 WINDOW_EVERY = 3  # every third region is a timeline window (memory trades)

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from . import lns
-from .heuristic import LocalSearch
+from .local_search import LocalSearch
 
 # At most this many strategies (beyond the incumbent's) over the merged nodes: the answers
 # are added cheapest first until one would pass it.  S's 14 answers add ~15,000.

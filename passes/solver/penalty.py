@@ -9,10 +9,10 @@ node narrows [lo_v, hi_v] from the levels' outcomes (nodes interact, so a bracke
 proves wrong is widened again).  Before any outcome is known the levels are
 w0_v * 4^k around a first guess w0 (one weight, or one per node: toulbar2.py derives
 them from memory prices).  Every answer without an overflow is a feasible candidate; a local-search
-descent (heuristic.LocalSearch) polishes it.
+descent (local_search.LocalSearch) polishes it.
 (1st place of the ASPLOS'25 IOPDDL contest: Staudt & Blacher, "Soft Constraints, Strong
 Solutions"; this is our own implementation of the idea.)  An answer over the limit
-that is cheaper than the best feasible one is repaired greedily (heuristic.repair_memory)
+that is cheaper than the best feasible one is repaired greedily (local_search.repair_memory)
 and polished the same way.  With a `recombine` step (merge.py) the answers so far are
 also recombined after each round: far cheaper than any repair on IOPDDL S.
 
@@ -38,7 +38,7 @@ from .cfn import (
     shifted_tables,
     table_offsets,
 )
-from .heuristic import LocalSearch, repair_memory
+from .local_search import LocalSearch, repair_memory
 from .pool import Request, WorkerPool
 from .problem import INFINITE_COST
 from .reduce import Reduced

@@ -20,8 +20,8 @@ import time
 import numpy as np
 
 from .cfn import build_model, nondominated_points
-from .heuristic import LocalSearch
 from .lns import WINDOW_EVERY, bfs_region, pick_seed, window_region
+from .local_search import LocalSearch
 from .pool import Request, WorkerPool
 from .problem import INFINITE_COST
 

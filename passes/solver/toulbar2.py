@@ -32,7 +32,8 @@ import numpy as np
 from . import lns
 from .bound import dual_prices
 from .cfn import live_set_constraints, reduced_model
-from .heuristic import LocalSearch, heuristic, initial_strategies
+from .heuristic import heuristic
+from .local_search import LocalSearch, initial_strategies
 from .merge import merge
 from .penalty import penalty_search
 from .pool import Answer, InlinePool, Request, WorkerPool
