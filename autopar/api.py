@@ -25,7 +25,7 @@ from . import (
     microbatch,
     outer,
     pipeline,
-    pipeline_planner,
+    pipeline_search,
     plan_cache,
     planner,
     schedules,
@@ -339,7 +339,7 @@ class ParallelizedFunction:
                 fp: str, cluster: ClusterSpec, device_ids: list[int]) -> Plan:
         program = traced.program
         if split is not None:
-            return pipeline_planner.search(
+            return pipeline_search.search(
                 split, method, cluster, device_ids, fp=fp,
                 input_names=program.input_names, in_shapes=program.in_shapes,
                 out_shapes=program.out_shapes,

@@ -110,7 +110,7 @@ def _conv_axes(eqn: Any, read_specs: Sequence[Spec | None]) -> list[str]:
 #: Contractions whose result is a sum over a dimension: name → the mesh axes that dimension
 #: is split over in the operands' read layouts (a shard-local evaluation gives partial
 #: sums).  The one rule set for deferring gradient reductions: the runtime defers exactly
-#: these, and the planner (`pipeline_planner`) prices exactly these once per step.
+#: these, and the planner (`pipeline_search`) prices exactly these once per step.
 CONTRACTIONS = {"dot_general": _dot_axes, "conv_general_dilated": _conv_axes,
                 "reduce_sum": _reduce_sum_axes}
 
@@ -120,7 +120,7 @@ def defers(eqn: Any) -> bool:
     layouts split the summed dim): a rule of `CONTRACTIONS` without grouped features
     (`feature_group_count` > 1 pairs each lhs feature block with its own group: a split of
     that dim is not a plain partial sum).  The runtime (`Deferral.find`) and the planner
-    (`pipeline_planner`) both ask this."""
+    (`pipeline_search`) both ask this."""
     return eqn.name in CONTRACTIONS and not (eqn.name == "conv_general_dilated"
                                              and eqn.params["feature_group_count"] != 1)
 

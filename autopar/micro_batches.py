@@ -15,10 +15,10 @@ answer is the one trying every count would give, found trying few (`bounded`):
   micro-batches, so the stage DP over its costs scaled by the rows, what no layout and no
   count changes kept whole, with the larger count's bubble, is below any plan of that
   count), and a count whose bound is above the best plan found is not searched.  That
-  premise is about the stages `pipeline_planner.search` assembles, not a theorem: it
+  premise is about the stages `pipeline_search.search` assembles, not a theorem: it
   holds where the assembly finds, at every count, a stage no slower per row than the
   stage a larger count's layouts would make (its three alignments of a stage's layers,
-  `pipeline_planner.AFTER_TARGETS`); `tests/test_auto_micro_batches.py` checks it on
+  `pipeline_search.AFTER_TARGETS`); `tests/test_auto_micro_batches.py` checks it on
   gpt-toy (float32, float16) and a generated tied embedding.
 
 The chosen plan records every try in `Plan.solver["micro_batch_tries"]` (count, predicted
@@ -38,13 +38,13 @@ import jax
 import numpy as np
 
 from autopar.cost_model import ClusterSpec
+from autopar.pipeline_search import StageCostTable
 
-from . import pipeline_planner
+from . import pipeline_search
 from .microbatch import MicroBatchError
 from .passes import inter_op
 from .passes.inter_op import NoStageLayoutError
 from .passes.intra_op import MemoryBudgetError
-from .pipeline_planner import StageCostTable
 from .plan import Plan
 from .traced import Traced, leaf_positions
 
@@ -285,7 +285,7 @@ def search(step: ParallelizedFunction, dynamic: list, static: tuple, positions: 
         try:
             traced, split, fp = step._trace_for(dynamic, static, positions, in_tree, count,
                                                 method.pipelined, cluster)
-            with pipeline_planner.recording():
+            with pipeline_search.recording():
                 plan = step._search_cached(method_b, traced, split, fp, cluster, device_ids)
         except (MemoryBudgetError, NoStageLayoutError, MicroBatchError) as err:
             # no layout fits (memory), or the batch does not split: this count is out

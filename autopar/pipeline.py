@@ -146,7 +146,7 @@ class StageProgram:
         outputs), in the order its equations first read them: two ranges computing the
         same equations list their inputs alike whatever their ids (F's parameters are
         numbered in name order, Block_10 before Block_7), so a layer solution stored by
-        input position (`pipeline_planner._Priced`) and the forward+backward program
+        input position (`pipeline_search.LayerCost`) and the forward+backward program
         traced from these inputs (`layer.LayerProgram`) serve every identical layer.
       outputs: value ids the stage computes that later stages or F's outputs read, sorted
         (the order they are computed in).

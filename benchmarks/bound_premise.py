@@ -35,7 +35,7 @@ if __name__ == "__main__":  # before any JAX import: 8 emulated devices
 import jax
 
 import autopar
-from autopar import micro_batches, pipeline_planner
+from autopar import micro_batches, pipeline_search
 from autopar.microbatch import MicroBatchError
 from autopar.passes.inter_op import NoStageLayoutError
 from benchmarks.intra_op_reference import median, page_head
@@ -56,7 +56,7 @@ def run_model(seed: int, time_limit_s: float) -> dict:
     state, batch = case.init(), case.batch(0)
     rows = jax.tree_util.tree_leaves(batch)[0].shape[0]
     plans, counts = {}, []
-    with pipeline_planner.recording():
+    with pipeline_search.recording():
         for count in micro_batches.ladder(rows):
             method = autopar.PipeshardParallel(num_micro_batches=count,
                                                time_limit_s=time_limit_s)
@@ -71,7 +71,7 @@ def run_model(seed: int, time_limit_s: float) -> dict:
             counts.append({"count": count, "step_s": float(plan.predicted.step_s),
                            "stages": len(plan.stages),
                            "search_s": round(time.perf_counter() - t0, 2)})
-    tables = {c: pipeline_planner.StageCostTable.from_json(p.solver["stage_costs"])
+    tables = {c: pipeline_search.StageCostTable.from_json(p.solver["stage_costs"])
               for c, p in plans.items()}
     pairs = []
     for b, table in tables.items():

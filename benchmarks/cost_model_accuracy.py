@@ -25,7 +25,7 @@ For every plan, the compiled program is audited (cost_model/hlo_audit) against t
   β=1 s/byte and whose compute is free, against the audit priced on that cluster — both
   are Σ over collectives of the α-β byte term (e.g. 2(n−1)/n·S for an all-reduce), one
   definition on both sides.  Single mesh: `intra_op.price_specs`.  Pipelines: every
-  layer's solution re-priced as the stage search priced it (`pipeline_planner.price_stage`
+  layer's solution re-priced as the stage search priced it (`pipeline_search.price_stage`
   with the plan's layout in place of a search: gradient reductions once per step,
   resharding between layers, the ZeRO-2 all-gathers after the update), per step, against
   `PipelineCompiled`'s programs times their calls; moves between stages are `device_put`s,
@@ -84,7 +84,7 @@ import numpy as np  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar import models as zoo  # noqa: E402
-from autopar import pipeline, pipeline_planner  # noqa: E402
+from autopar import pipeline, pipeline_search  # noqa: E402
 from autopar.cost_model import ClusterSpec, Link, compile_log, hlo_audit  # noqa: E402
 from autopar.passes import intra_op, primitives  # noqa: E402
 from autopar.passes.sharding_spec import MeshContext  # noqa: E402
@@ -268,7 +268,7 @@ def _replaced(module, name: str, value):
 
 
 def _fixed_layer_start(layer_plan, plan_cluster: ClusterSpec):
-    """A stand-in for `intra_op.start` as `pipeline_planner.start_price_stage` calls it,
+    """A stand-in for `intra_op.start` as `pipeline_search.start_price_stage` calls it,
     which prices `layer_plan`'s layout instead of searching one: `intra_op.price_specs`
     with the extras the layer search prices (the gradient reductions' `comm_scale`, the
     accumulators' `traffic`, the updates' `value_costs`), its strategies chosen where a
@@ -304,7 +304,7 @@ def _submesh(devices: int, cluster: ClusterSpec) -> tuple[int, int]:
 
 
 def _state_modes(method) -> list[str]:
-    """The StateSplit modes the stage search tries (pipeline_planner.search)."""
+    """The StateSplit modes the stage search tries (pipeline_search.search)."""
     if not getattr(method, "shard_optimizer_state", False):
         return ["none"]
     fixed = method.stage_layout(8, 8).fixed_state_split
@@ -315,12 +315,12 @@ def replay_pipeline(step, method, plan, args, clusters: list[ClusterSpec]) -> li
     """Every stage of a pipeline plan re-priced with its own layout under each cluster, as
     the stage search prices a stage: per stage, "step_s" (seconds per micro-batch:
     layers, resharding between them, updates; transfers not included) and "memory_bytes"
-    (`pipeline_planner.stage_memory_bytes`); "state_mode", the optimizer-state split that
+    (`pipeline_search.stage_memory_bytes`); "state_mode", the optimizer-state split that
     reproduces the plan's state layouts."""
     traced = step.trace(*args)
     split = traced.split
     graph = split.forward_graph()
-    diff = pipeline_planner.diff_values(split, graph)
+    diff = pipeline_search.diff_values(split, graph)
     params = {graph.invars[j] for j in split.diff_inputs}
     program = traced.program
     roles = dict(zip(program.graph.invars, program.roles))
@@ -338,11 +338,11 @@ def replay_pipeline(step, method, plan, args, clusters: list[ClusterSpec]) -> li
         per_cluster = []
         chosen = None
         for cluster in clusters:
-            splits = {m: pipeline_planner.StateSplit(m, per_param, cluster) for m in modes}
+            splits = {m: pipeline_search.StateSplit(m, per_param, cluster) for m in modes}
             priced = []
             for lp, prog in zip(st.layer_plans, progs):
                 with _replaced(intra_op, "start", _fixed_layer_start(lp, plan_cluster)):
-                    priced.append(pipeline_planner.price_stage(
+                    priced.append(pipeline_search.price_stage(
                         graph, prog, diff, cluster, submesh, solver=method.solver,
                         time_limit_s=TIME_LIMIT_S, batch_size=batch, shapes=[st.mesh_shape],
                         remat=split.remat, num_micro_batches=micro,
@@ -351,18 +351,18 @@ def replay_pipeline(step, method, plan, args, clusters: list[ClusterSpec]) -> li
                 wanted = dict(st.state_specs)
                 inputs = dict(st.input_specs)
                 chosen = next((m for m in modes if {
-                    v: spec for v, (spec, _) in pipeline_planner.state_layouts(
+                    v: spec for v, (spec, _) in pipeline_search.state_layouts(
                         priced, progs, params, graph, splits[m]).items()
                     if spec != inputs.get(v)} == wanted), modes[0])
             layers_s = (sum(p.cost_s for p in priced)
-                        + pipeline_planner.internal_reshard_s(priced, progs, graph)
-                        - sum(pipeline_planner.updates_s([p], [prog], params, graph,
+                        + pipeline_search.internal_reshard_s(priced, progs, graph)
+                        - sum(pipeline_search.updates_s([p], [prog], params, graph,
                                                          splits[modes[0]], micro,
                                                          per_layer=True)
                               for p, prog in zip(priced, progs))
-                        + pipeline_planner.updates_s(priced, progs, params, graph,
+                        + pipeline_search.updates_s(priced, progs, params, graph,
                                                      splits[chosen], micro))
-            memory = pipeline_planner.stage_memory_bytes(
+            memory = pipeline_search.stage_memory_bytes(
                 priced, progs, params, graph, micro, len(plan.stages) - s, per_param,
                 splits[chosen], whole_step=len(plan.stages) == 1)
             per_cluster.append({"step_s": layers_s, "memory_bytes": memory})

@@ -3,7 +3,7 @@
 Every strategy is a *layout*: `pp` pipeline stages with equal layer counts, each on `dp x tp`
 devices as a (dp, tp) logical mesh, `B` micro-batches, and a rule fixing the parameters'
 layout.  Each layer's forward+backward at micro-batch size is priced by the intra-op pass
-(`autopar.pipeline_planner.price_stage`, autopar's cost model) with the batch split over
+(`autopar.pipeline_search.price_stage`, autopar's cost model) with the batch split over
 dp and the parameters forced by the rule; only the intermediates are left to the search.
 autopar's own plans (`autopar.plan`) are re-priced through the same function with the
 parameters free, on the stages and logical meshes the plan chose.
@@ -18,14 +18,14 @@ DeepSpeed and Alpa; the ILP's `comm_scale`); u_s: the optimizer update (memory-b
 roofline over the state the device holds), plus for ZeRO-2 the all-gather of the updated parameters.
 
 Memory per device of stage s (1F1B keeps pp − s micro-batches of activations in flight) is
-the planner's (`pipeline_planner.stage_memory_bytes`):
+the planner's (`pipeline_search.stage_memory_bytes`):
 
     parameters + gradient accumulators + (in-flight − 1) · residuals
     + max over layers k (residuals of layers ≤ k + layer k's transient) + optimizer state
 
 (gradients are added in place into the accumulators, as Megatron-LM's main_grad does)
 with residuals the bytes per device the forward keeps for the backward (at the layouts the
-search chose, `_Priced.residual_bytes`; a saved layer input once, at its producer's
+search chose, `LayerCost.residual_bytes`; a saved layer input once, at its producer's
 layout), and the optimizer state
 (`state_bytes_per_param_byte` x parameter bytes) split like the parameters, and for ZeRO-2/3
 also over dp.  A plan whose memory exceeds the device's is out of memory (OOM).
@@ -42,18 +42,16 @@ from autopar import pipeline
 from autopar.cost_model import ClusterSpec
 from autopar.passes.inter_op import equal_ranges
 from autopar.passes.sharding_spec import MeshContext, Spec, replicated, state_split
-from autopar.pipeline_planner import (
-    LAYER_RETRY_TIME_LIMIT_S,
-    LAYER_TIME_LIMIT_S,
-    StageLayouts,
-    _Priced,
+from autopar.pipeline_search import (
+    LayerCost,
     gather_after_update_s,
     price_stage,
-    price_transfers,
     stage_memory_bytes,
     state_layouts,
-    update_time_s,
 )
+from autopar.pipeline_search.layer_cost import LAYER_RETRY_TIME_LIMIT_S, LAYER_TIME_LIMIT_S
+from autopar.pipeline_search.state import update_time_s
+from autopar.pipeline_search.transfers import StageLayouts, price_transfers
 from benchmarks.baselines import megatron_dim
 from benchmarks.workload import Overrides, Workload
 
@@ -176,7 +174,7 @@ class Pricer:
         self.global_batch = global_batch
         self.cluster = cluster
         self.progress = progress
-        self._cache: dict[tuple, _Priced] = {}
+        self._cache: dict[tuple, LayerCost] = {}
         self.solves = 0
 
     def workload(self, micro: int) -> Workload:
@@ -190,7 +188,7 @@ class Pricer:
             raise ValueError(f"{n} devices do not fill whole hosts of {per_host}")
         return (n // per_host, per_host)
 
-    def layer(self, w: Workload, layer: int, mesh_shape: tuple[int, ...], rule: str) -> _Priced:
+    def layer(self, w: Workload, layer: int, mesh_shape: tuple[int, ...], rule: str) -> LayerCost:
         n = math.prod(mesh_shape)
         submesh = self.submesh(n)
         key = (w.num_micro_batches, w.layer_keys[layer], submesh, mesh_shape, rule)
@@ -260,7 +258,7 @@ class Pricer:
                    layouts: Sequence[StageLayouts]) -> tuple[list[float], float]:
         """Seconds per micro-batch each stage spends receiving activations (and sending
         their cotangents back), and seconds per step of moving values several stages read
-        (a tied embedding), priced as the planner prices them (`pipeline_planner.
+        (a tied embedding), priced as the planner prices them (`pipeline_search.
         price_transfers`: from both stages' layouts, over the link between the stages'
         devices, numbered in stage order)."""
         first, devices = [], 0

@@ -40,7 +40,7 @@ import autopar
 from autopar import models as zoo
 from autopar.cost_model import ClusterSpec
 from autopar.cost_model.jsonio import write_json_atomic
-from autopar.pipeline_planner import state_floor_bytes
+from autopar.pipeline_search import state_floor_bytes
 from benchmarks import alpa_plans
 from benchmarks.layouts import (
     Evaluation,

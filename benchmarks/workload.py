@@ -22,7 +22,8 @@ from autopar import markers, pipeline
 from autopar import models as zoo
 from autopar.graph import Graph
 from autopar.passes import layering
-from autopar.pipeline_planner import _program_key, diff_values
+from autopar.pipeline_search import diff_values
+from autopar.pipeline_search.reuse import _program_key
 from autopar.planner import describe_path
 
 

@@ -438,7 +438,7 @@ class BuildCache:
     """Built problems (`start` before `traffic` and `value_costs`) kept for reuse.
 
     A stage search prices each layer on each sub-mesh twice, time-optimal and memory-lean
-    (`autopar.pipeline_planner`): the two problems differ only in the parameters' value
+    (`autopar.pipeline_search`): the two problems differ only in the parameters' value
     costs, so the second call copies the first one's groups instead of enumerating every
     equation's strategies again; and every mesh's problem of one graph shares one buffer
     analysis (`memory.analyze`).  Entries match on the graph object (identity), the mesh

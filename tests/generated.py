@@ -106,7 +106,7 @@ SMALL = {"widths": 2, "blocks": 1, "length": 2, "layers": 1, "channels": 2, "ker
 # whose gradient is rounding noise g ~ 1e-9 by lr·g/eps ~ 1e-7, 3e-6 of its usual 3 x lr)
 NO_GRADIENT = 1e-4
 # Errors a method documents for a case it cannot plan (not a bug): the pipeline planner's
-# "N stages need at least as many layers, the forward has M" (autopar/pipeline_planner.py)
+# "N stages need at least as many layers, the forward has M" (autopar/pipeline_search.py)
 # when user cuts (`mark_pipeline_boundary`) leave fewer layers than stages.
 DOCUMENTED_SKIPS = (re.compile(r"stages need at least as many layers"),)
 # ... and, under a "-tight" budget, that no layout fits it.

@@ -10,7 +10,7 @@ import generated
 import pytest
 
 import autopar
-from autopar import micro_batches, models, pipeline_planner, plan_cache
+from autopar import micro_batches, models, pipeline_search, plan_cache
 
 COUNTS = [2 ** k for k in range(11)]
 
@@ -73,7 +73,7 @@ def test_auto_on_a_small_gpt_is_the_best_explicit_count(tmp_path, monkeypatch):
     monkeypatch.setenv(plan_cache.ENV_VAR, str(tmp_path))
     step, args = models.train_step_and_args("gpt-toy", 8)
     cluster = autopar.ClusterSpec.preset("2x8xV100-16GB").with_devices(1, 4)
-    with pipeline_planner.recording():
+    with pipeline_search.recording():
         auto = autopar.plan(step, *args, cluster=cluster,
                             method=autopar.PipeshardParallel(num_micro_batches="auto"))
         plans = {count: autopar.plan(step, *args, cluster=cluster,
@@ -85,7 +85,7 @@ def test_auto_on_a_small_gpt_is_the_best_explicit_count(tmp_path, monkeypatch):
     best = min(plans, key=lambda c: (plans[c].predicted.step_s, c))
     assert dataclasses.replace(auto, solver={}) == dataclasses.replace(plans[best], solver={})
     assert "stage_costs" not in auto.solver
-    tables = {c: pipeline_planner.StageCostTable.from_json(p.solver["stage_costs"])
+    tables = {c: pipeline_search.StageCostTable.from_json(p.solver["stage_costs"])
               for c, p in plans.items()}
     for b, table in tables.items():
         assert table.num_micro_batches == b
@@ -112,7 +112,7 @@ def test_lower_bound_keeps_the_fixed_part_whole():
     """One layer on one device: 10 s per micro-batch at 2 micro-batches, 4 s of it fixed;
     at 8 micro-batches a step takes at least 8 x (4 + 6 x 2/8) s, and two tables give each
     range the larger of their floors."""
-    table = pipeline_planner.StageCostTable(2, 1, 1, ((1, 1),), None, {(0, 0, (1, 1)): 10.0},
+    table = pipeline_search.StageCostTable(2, 1, 1, ((1, 1),), None, {(0, 0, (1, 1)): 10.0},
                                             20.0, {(0, 0, (1, 1)): 4.0})
     assert micro_batches.lower_bound_s([table], 8) == pytest.approx(8 * (4.0 + 6.0 / 4))
     assert micro_batches.lower_bound_s([dataclasses.replace(table, fixed_s={})], 8) \
@@ -121,7 +121,7 @@ def test_lower_bound_keeps_the_fixed_part_whole():
     other = dataclasses.replace(table, num_micro_batches=4, least_s={(0, 0, (1, 1)): 6.0},
                                 fixed_s={})
     assert micro_batches.lower_bound_s([table, other], 8) == pytest.approx(8 * 5.5)
-    assert pipeline_planner.StageCostTable.from_json(table.to_json()) == table
+    assert pipeline_search.StageCostTable.from_json(table.to_json()) == table
 
 
 def test_count_free_values_are_the_parameters_own_work():
@@ -140,13 +140,13 @@ def test_count_free_values_are_the_parameters_own_work():
     fb = Graph.from_jaxpr(jax.make_jaxpr(f)(jnp.zeros((4, 8)), jnp.zeros((8,)),
                                             jnp.zeros((2, 8), jnp.float16)))
     w, b, x = fb.invars
-    free = pipeline_planner._count_free(fb, {w, b})
+    free = pipeline_search.layer_cost._count_free(fb, {w, b})
     made = [(e.name, e.outputs[0]) for e in fb.eqns]
     # w16 (cast, transpose), b * 2 and w16 * 3; not the dot, the broadcast, x's cast, the sum
     assert [name for name, v in made if v in free] == ["convert_element_type", "transpose",
                                                       "mul", "mul"]
     assert x not in free and {w, b} <= free
-    assert pipeline_planner._count_free(fb, set()) == set()
+    assert pipeline_search.layer_cost._count_free(fb, set()) == set()
 
 
 def test_a_pipeline_over_several_hosts_receives_from_another_host_somewhere():
@@ -155,7 +155,7 @@ def test_a_pipeline_over_several_hosts_receives_from_another_host_somewhere():
     4 x 10 s for one stage over both hosts; a parameter the two stages share adds its
     moves once."""
     least = {(0, 1, (2, 2)): 10.0, (0, 0, (1, 2)): 2.0, (1, 1, (1, 2)): 2.0}
-    table = pipeline_planner.StageCostTable(4, 2, 4, ((1, 1), (1, 2), (2, 2)), None, least,
+    table = pipeline_search.StageCostTable(4, 2, 4, ((1, 1), (1, 2), (2, 2)), None, least,
                                             22.0, {}, {(1, 1, (1, 2)): 5.0})
     assert micro_batches.lower_bound_s([table], 4) == pytest.approx(22.0)
     assert micro_batches.lower_bound_s([dataclasses.replace(table, cross_s={})], 4) \
@@ -168,24 +168,24 @@ def test_a_pipeline_over_several_hosts_receives_from_another_host_somewhere():
 
 
 def _plans_and_tables(batch: int, cluster: autopar.ClusterSpec, overrides=None
-                      ) -> tuple[dict[int, autopar.Plan], list[pipeline_planner.StageCostTable]]:
+                      ) -> tuple[dict[int, autopar.Plan], list[pipeline_search.StageCostTable]]:
     """gpt-toy's plan at every count of `micro_batches.ladder(batch)`, and their tables."""
     step, args = models.train_step_and_args("gpt-toy", batch, overrides=overrides)
-    with pipeline_planner.recording():
+    with pipeline_search.recording():
         plans = {count: autopar.plan(step, *args, cluster=cluster,
                                      method=autopar.PipeshardParallel(num_micro_batches=count))
                  for count in micro_batches.ladder(batch)}
     return plans, _tables(plans)
 
 
-def _tables(plans: dict[int, autopar.Plan]) -> list[pipeline_planner.StageCostTable]:
-    """The stage cost table each plan recorded (`pipeline_planner.recording`)."""
-    return [pipeline_planner.StageCostTable.from_json(p.solver["stage_costs"])
+def _tables(plans: dict[int, autopar.Plan]) -> list[pipeline_search.StageCostTable]:
+    """The stage cost table each plan recorded (`pipeline_search.recording`)."""
+    return [pipeline_search.StageCostTable.from_json(p.solver["stage_costs"])
             for p in plans.values()]
 
 
 def _assert_every_bound_below(plans: dict[int, autopar.Plan],
-                              tables: list[pipeline_planner.StageCostTable]) -> None:
+                              tables: list[pipeline_search.StageCostTable]) -> None:
     """Every table bounds every count of `plans` at or below that count's plan."""
     for table in tables:
         for count, plan in plans.items():
@@ -199,7 +199,7 @@ def test_every_bound_is_below_the_searched_plans_in_float16(tmp_path, monkeypatc
     own layouts disagree at every boundary, and a stage that only aligned each layer to both
     neighbours' own layouts cost 3x B=8's per row (0.127 ms a step against B=8's 0.088 ms),
     above the bound B=4's table gives B=8; the layers that follow what the layer before
-    made (`pipeline_planner.AFTER_NONE`) keep it below every larger count's plan."""
+    made (`pipeline_search.AFTER_NONE`) keep it below every larger count's plan."""
     monkeypatch.setenv(plan_cache.ENV_VAR, str(tmp_path))
     cluster = autopar.ClusterSpec.preset("2x8xV100-16GB").with_devices(1, 4)
     _assert_every_bound_below(*_plans_and_tables(8, cluster, {"dtype": "float16"}))
@@ -210,12 +210,12 @@ def test_every_bound_is_below_the_searched_plans_of_a_tied_embedding(tmp_path, m
     micro-batches neither aligning each layer to its neighbours' own layouts nor to what it
     receives only found a fast stage (16 micro-batches planned 8 stages at 31.8 ms a step,
     32 plan one at 3.35 ms, and the 8 and 16 tables bounded 32 above it); aligning the
-    boundaries replicated (`pipeline_planner.AFTER_WHOLE`) plans 16 at 2.31 ms, and every
+    boundaries replicated (`pipeline_search.AFTER_WHOLE`) plans 16 at 2.31 ms, and every
     table bounds every larger count below its plan."""
     monkeypatch.setenv(plan_cache.ENV_VAR, str(tmp_path))
     case = generated.generate(4, family="tied_embed")
     state, batch = case.init(), case.batch(0)
-    with pipeline_planner.recording():
+    with pipeline_search.recording():
         plans = {count: autopar.parallelize(case.step, method=autopar.PipeshardParallel(
                      num_micro_batches=count, time_limit_s=5.0)).get_plan(state, batch)
                  for count in (8, 16, 32)}

@@ -115,7 +115,7 @@ def test_lean_layer_solve_cuts_every_parameter_as_finely_as_it_goes(toy_pricer):
     as many shards as its shape allows on the mesh, at a finite time no lower than the
     time-optimal solve's, holding no more parameter bytes."""
     from autopar.passes.sharding_spec import enumerate_specs
-    from autopar.pipeline_planner import LEAN_PENALTY_S, price_stage
+    from autopar.pipeline_search import LEAN_PENALTY_S, price_stage
 
     w = toy_pricer.workload(2)
     kw = dict(solver="auto", time_limit_s=10, batch_size=w.micro_batch, shapes=[(2, 2)],
@@ -141,7 +141,7 @@ def test_memory_priced_layer_solves_sit_between_the_two_ends(toy_pricer):
     tries between time-optimal and lean): a higher price keeps no more parameter bytes
     per device, and the time reported is the layout's own, the price taken off (a zero
     price reproduces the time-optimal solve)."""
-    from autopar.pipeline_planner import price_stage
+    from autopar.pipeline_search import price_stage
 
     w = toy_pricer.workload(2)
     kw = dict(solver="auto", time_limit_s=10, batch_size=w.micro_batch, shapes=[(2, 2)],
@@ -171,7 +171,7 @@ def test_knee_price_is_the_median_rate_of_time_for_bytes():
     """The memory-priced levels' prices come from the layers' own trade-off: the median
     over (time-optimal, lean) solution pairs of the seconds the lean one adds per byte it
     saves; pairs that trade nothing (lean no slower, or no smaller) do not count."""
-    from autopar.pipeline_planner import knee_price
+    from autopar.pipeline_search import knee_price
 
     pairs = [(1.0, 100.0, 2.0, 50.0),    # 1 s for 50 B: 0.02 s/B
              (1.0, 100.0, 1.5, 0.0),     # 0.005 s/B
@@ -188,7 +188,7 @@ def test_fixed_3d_layout_splits_the_batch_over_dp_only():
     Left free, a GPT-350M layer on 4 V100s is data parallel over both axes; with only the
     stage's inputs held to dp, its activations were still resharded onto dp x tp inside."""
     from autopar.layer import LayerProgram
-    from autopar.pipeline_planner import LEAN_PENALTY_S, price_stage
+    from autopar.pipeline_search import LEAN_PENALTY_S, price_stage
 
     cluster = ClusterSpec.preset("8xV100-16GB").with_devices(1, 4)
     w = layouts.Pricer("gpt-350m", 32, cluster).workload(2)

@@ -256,7 +256,7 @@ def test_combined_collectives_share_one_latency_on_gpus_not_on_cpu():
     assert share(0.0, "A100-80GB") == 0.0
     assert share(3 * mib, "cpu") == 1.0 == share(0.0, "cpu")
     from autopar.passes.sharding_spec import MeshContext, reshard_s
-    from autopar.pipeline_planner import gather_after_update_s
+    from autopar.pipeline_search import gather_after_update_s
 
     alpha, small = 5e-6, 3 * mib
     gpu = dataclasses.replace(ClusterSpec.preset("8xV100-16GB"), intra_host=Link(alpha, 1e-11))

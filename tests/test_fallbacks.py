@@ -73,9 +73,9 @@ def test_standard_models_plan_and_run_without_fallbacks(make):
 
 def test_stage_costs_priced_side_by_side_report_their_fallbacks():
     """The stage search prices sub-meshes side by side on threads
-    (`pipeline_planner._price_side_by_side`): a fallback a layer build reports there reaches
+    (`pipeline_search.reuse._price_side_by_side`): a fallback a layer build reports there reaches
     the caller's collection (each thread runs in a copy of the caller's context)."""
-    from autopar.pipeline_planner import _price_side_by_side
+    from autopar.pipeline_search.reuse import _price_side_by_side
 
     def range_cost(i, j, submesh):
         fallbacks.report("intra-op", f"layers {i}-{j} on {submesh} replicated")

@@ -1,4 +1,4 @@
-"""Layers of a stage laid out knowing their neighbours (`pipeline_planner.search`'s
+"""Layers of a stage laid out knowing their neighbours (`pipeline_search.driver.search`'s
 `aligned`): each layer's ILP chooses the layouts of the values it shares with the layers
 next to it freely, and the stage then pays for resharding between them; where that
 resharding costs, the layer is solved again paying for it, and the cheaper of the two is
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import autopar
-from autopar import pipeline_planner
+from autopar import pipeline_search
 
 # The stage's time per micro-batch with neighbours known, as a fraction of the time with
 # every layer's free layout at most (measured on cpu-local, 4 micro-batches, one stage over
@@ -36,7 +36,7 @@ def test_neighbour_aware_layouts_cost_less(seed, family, monkeypatch, tmp_path):
     state, batch = case.init(), case.batch(0)
     aligned = _stage_s(case, state, batch)
     # Without the neighbours' resharding seen, every layer keeps its free layout.
-    monkeypatch.setattr(pipeline_planner, "neighbour_reshard_s", lambda *a, **k: 0.0)
+    monkeypatch.setattr(pipeline_search.driver, "neighbour_reshard_s", lambda *a, **k: 0.0)
     free = _stage_s(case, state, batch)
     assert aligned <= MAX_FRACTION * free, (aligned, free)
 

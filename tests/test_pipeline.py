@@ -164,7 +164,7 @@ def test_a_parameter_read_by_several_layers_is_updated_once_per_stage():
 
     from autopar.cost_model import ClusterSpec
     from autopar.passes.sharding_spec import MeshContext
-    from autopar.pipeline_planner import StateSplit, updates_s
+    from autopar.pipeline_search import StateSplit, updates_s
 
     cluster = ClusterSpec.preset("8xV100-16GB").with_devices(1, 4)
     mesh = MeshContext.build((4,), cluster)
@@ -173,7 +173,7 @@ def test_a_parameter_read_by_several_layers_is_updated_once_per_stage():
                                     other: SimpleNamespace(shape=(64, 64), nbytes=2**14)})
     progs = [SimpleNamespace(inputs=(embed,)), SimpleNamespace(inputs=(embed, other))]
     for mode in ("none", "all"):
-        # Layer solutions (stand-ins) with their memo (`_Priced._memo`), fresh per mode.
+        # Layer solutions (stand-ins) with their memo (`LayerCost._memo`), fresh per mode.
         first = SimpleNamespace(mesh=mesh, input_specs=(((), ()),), _memo={})
         last = SimpleNamespace(mesh=mesh, input_specs=(((), ()), ((), ())), _memo={})
         split = StateSplit(mode, 2.0, cluster)
@@ -242,7 +242,7 @@ def test_layers_that_read_their_parameters_in_another_id_order_share_one_solutio
     from autopar.graph import Graph
     from autopar.layer import LayerProgram
     from autopar.pipeline import program_for_range
-    from autopar.pipeline_planner import _program_key
+    from autopar.pipeline_search.reuse import _program_key
 
     def f(w, x):
         for first, second in ((0, 1), (3, 2), (4, 5)):

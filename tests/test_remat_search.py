@@ -15,7 +15,7 @@ import pytest
 import autopar
 from autopar.passes.inter_op import NoStageLayoutError
 from autopar.passes.intra_op import MemoryBudgetError
-from autopar.pipeline_planner import _least
+from autopar.pipeline_search.driver import _least
 from autopar.plan import LayerPlan, Plan, StagePlan
 
 from helpers import assert_same_micro_batched_run
@@ -70,7 +70,7 @@ def test_search_rematerializes_where_memory_binds(name, make, kw, compare):
     assert max(st.memory_bytes for st in plan.stages) <= budget
     # on the same stages and sub-meshes a budget only takes options away: the free plan is
     # not the slower one (the stages' logical meshes are chosen together,
-    # `pipeline_planner._assemble`).  Where the budget moves the stages the stage DP's
+    # `pipeline_search.assemble._assemble`).  Where the budget moves the stages the stage DP's
     # choice, priced without layouts, may differ the other way (MoE, 4 stages).
     if [(st.layers, len(st.device_ids)) for st in free.stages] == [
             (st.layers, len(st.device_ids)) for st in plan.stages]:

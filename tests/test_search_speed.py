@@ -244,7 +244,7 @@ def test_equal_layer_problems_are_solved_once():
     """The pipeline search's submit (`_SameProblems`) hands a problem equal number for
     number to one before it (names aside) to the pool once, and that one's answer serves
     both; a problem differing in one cost is solved on its own."""
-    from autopar.pipeline_planner import _SameProblems
+    from autopar.pipeline_search.reuse import _SameProblems
 
     calls = []
 

@@ -1,0 +1,133 @@
+"""The plan from the stage DP's choice: one `StagePlan` per stage with its layer solutions,
+memory and transfers, and the refinement that swaps a stage for another of its options
+where the priced step gets faster (`_assemble`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+from autopar import pipeline
+from autopar.graph import Graph
+from autopar.passes import inter_op
+from autopar.passes.sharding_spec import (
+    Spec,
+)
+from autopar.plan import LayerPlan, StagePlan
+
+from .layer_cost import LayerCost
+from .stage_memory import stage_memory_bytes, state_layouts
+from .state import StateSplit
+from .transfers import StageLayouts, _with_transfers
+
+
+def _assemble(choice, *, hosts, per_host, device_ids, ranges, graph, diff, params, micro,
+              state_bytes_per_param_byte, cluster, fitting_stage, stage_options, gpipe,
+              alternatives=None) -> tuple[list[StagePlan], float, float, list[dict[str, Any]]]:
+    """The plan's stages for `choice` ((first, last) layer, sub-mesh shape) per stage, with
+    their transfers priced from both stages' layouts (`_with_transfers`): (stages, seconds
+    per step of per-step moves, step seconds, the priced transfers).
+
+    Each stage starts as its fastest option that fits (`fitting_stage`), chosen alone;
+    with `alternatives(i, j, submesh, in_flight)` (other options of a stage that fit), one
+    stage at a time then takes whichever of its alternatives makes the whole step fastest,
+    the others kept, until none does (at most REFINE_ROUNDS rounds): what a stage sends and
+    receives depends on its neighbours' layouts, which the stage alone does not see."""
+    devices = inter_op.assign_devices([s for _, s in choice], hosts, per_host)
+    in_flight = [micro if gpipe else len(choice) - k for k in range(len(choice))]
+    build = functools.partial(_stage_plan, ranges=ranges, graph=graph, params=params,
+                              micro=micro, device_ids=device_ids, whole=len(choice) == 1,
+                              state_bytes_per_param_byte=state_bytes_per_param_byte)
+    picks = [fitting_stage(*layers, submesh, flight) or min(
+        stage_options(*layers, submesh), key=lambda o: o.cost_s)
+        for (layers, submesh), flight in zip(choice, in_flight)]
+    built = [build(o, layers, devs, flight)
+             for o, (layers, _), devs, flight in zip(picks, choice, devices, in_flight)]
+
+    def priced(parts: list[tuple[StagePlan, StageLayouts]]):
+        stages, per_step_s, transfers = _with_transfers(
+            [st for st, _ in parts], [lay for _, lay in parts], graph, diff, params, cluster,
+            per_host)
+        times = [st.predicted_s for st in stages]
+        return stages, per_step_s, sum(times) + (micro - 1) * max(times) + per_step_s, transfers
+
+    best = priced(built)
+    others = [] if alternatives is None else [
+        [o for o in alternatives(*layers, submesh, flight) if o is not pick]
+        for (layers, submesh), flight, pick in zip(choice, in_flight, picks)]
+    for _ in range(REFINE_ROUNDS if any(others) else 0):
+        changed = False
+        for k, options in enumerate(others):
+            for o in options:
+                trial = list(built)
+                trial[k] = build(o, choice[k][0], devices[k], in_flight[k])
+                step = priced(trial)
+                if step[2] < best[2] * (1 - REFINE_GAIN):
+                    best, built, changed = step, trial, True
+        if not changed:
+            break
+    return best
+
+
+# `_assemble`'s refinement: rounds over the stages at most, and the relative gain in step
+# time a stage's other option must bring to be taken (below it: the first choice stays).
+REFINE_ROUNDS = 3
+
+
+REFINE_GAIN = 1e-9
+
+
+def _stage_plan(best: _StageEstimate, layers: tuple[int, int], devs: Sequence[int],
+                in_flight: int, *, ranges, graph: Graph, params: set[int], micro: int,
+                device_ids: Sequence[int], whole: bool, state_bytes_per_param_byte: float
+                ) -> tuple[StagePlan, StageLayouts]:
+    """Stage `layers` on devices `devs` (indices into `device_ids`) as option `best` (its
+    layers' solutions on one logical mesh) with `in_flight` micro-batches' residuals kept:
+    its plan (transfers not priced yet) and its layouts (`_with_transfers` reads them).
+    The stage inputs take the specs of the layer reading them first."""
+    start, stop = ranges[layers[0]][0], ranges[layers[1]][1]
+    prog = pipeline.program_for_range(graph, start, stop)
+    wanted = set(prog.inputs)
+    specs: dict[int, Spec] = {}
+    for lp, priced in zip(best.programs, best.priced):
+        for vid, spec in zip(lp.inputs, priced.input_specs):
+            if vid in wanted:
+                specs.setdefault(vid, spec)
+    mesh = best.priced[0].mesh
+    states = {vid: spec for vid, (spec, _) in state_layouts(
+        best.priced, best.programs, params, graph, best.zero).items()}
+    layer_plans = tuple(
+        LayerPlan(eqn_range=ranges[k], value_specs=p.value_specs,
+                  operand_specs=p.operand_specs, num_values=p.num_values,
+                  predicted_s=p.cost_s, remat=again)
+        for k, p, again in zip(range(layers[0], layers[1] + 1), best.priced,
+                                best.remat or (False,) * len(best.priced)))
+    stage = StagePlan(
+        layers=tuple(layers), eqn_range=(start, stop),
+        device_ids=tuple(device_ids[d] for d in devs), mesh_shape=mesh.shape,
+        mesh_axes=mesh.axes, input_specs=tuple(sorted(specs.items())),
+        predicted_s=best.cost_s,
+        memory_bytes=stage_memory_bytes(best.priced, best.programs, params, graph, micro,
+                                        in_flight, state_bytes_per_param_byte, best.zero,
+                                        whole_step=whole),
+        layer_plans=layer_plans, state_specs=tuple(sorted(
+            (vid, spec) for vid, spec in states.items()
+            if vid in wanted and spec != specs.get(vid))))
+    return stage, StageLayouts.of(best.priced, best.programs, states)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StageEstimate:
+    """Layers of a stage priced on one logical mesh: their solutions, programs and the
+    stage's seconds per micro-batch (layers + resharding between them + amortized update,
+    transfers from other stages not included).  `zero`: which parameters' optimizer state
+    is split (ZeRO-2), their parameters all-gathered after the update."""
+
+    priced: list[LayerCost]
+    programs: list[pipeline.StageProgram]
+    cost_s: float
+    zero: StateSplit | None = None
+    # Per layer, whether it is rematerialized (the variant `priced` solved).
+    remat: tuple[bool, ...] = ()
