@@ -1,6 +1,6 @@
-"""Layers of a stage laid out knowing their neighbours (`pipeline_search.driver.search`'s
-`aligned`): each layer's ILP chooses the layouts of the values it shares with the layers
-next to it freely, and the stage then pays for resharding between them; where that
+"""Layers of a stage laid out knowing their neighbours (`pipeline_search.layer_solutions`'s
+`LayerSolutions.aligned`): each layer's ILP chooses the layouts of the values it shares
+with the layers next to it freely, and the stage then pays for resharding between them; where that
 resharding costs, the layer is solved again paying for it, and the cheaper of the two is
 kept.  On a tied embedding and a GShard MoE layer, the free layouts disagree at the layer
 boundaries (a layer asks for its output's cotangent replicated where the next gives it
@@ -36,7 +36,7 @@ def test_neighbour_aware_layouts_cost_less(seed, family, monkeypatch, tmp_path):
     state, batch = case.init(), case.batch(0)
     aligned = _stage_s(case, state, batch)
     # Without the neighbours' resharding seen, every layer keeps its free layout.
-    monkeypatch.setattr(pipeline_search.driver, "neighbour_reshard_s", lambda *a, **k: 0.0)
+    monkeypatch.setattr(pipeline_search.layer_solutions, "neighbour_reshard_s", lambda *a, **k: 0.0)
     free = _stage_s(case, state, batch)
     assert aligned <= MAX_FRACTION * free, (aligned, free)
 

@@ -454,11 +454,11 @@ def test_a_stuck_solver_pool_ends_the_search_with_a_named_error(method, monkeypa
 
     import autopar
     from autopar import planner
-    from autopar.pipeline_search import driver
+    from autopar.pipeline_search import layer_solutions
 
     monkeypatch.setattr(planner, "answer_wait_s", lambda limit: 0.5)
     monkeypatch.setattr(planner, "SolvePool", _StuckPool)
-    monkeypatch.setattr(driver, "SolvePool", _StuckPool)
+    monkeypatch.setattr(layer_solutions, "SolvePool", _StuckPool)
 
     def step(w, batch):
         loss, g = autopar.value_and_grad(lambda w: jnp.mean((batch["x"] @ w) ** 2))(w)

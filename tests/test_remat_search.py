@@ -15,7 +15,7 @@ import pytest
 import autopar
 from autopar.passes.inter_op import NoStageLayoutError
 from autopar.passes.intra_op import MemoryBudgetError
-from autopar.pipeline_search.driver import _least
+from autopar.pipeline_search.stage_costs import _least
 from autopar.plan import LayerPlan, Plan, StagePlan
 
 from helpers import assert_same_micro_batched_run

@@ -4,7 +4,6 @@ where the priced step gets faster (`_assemble`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -17,45 +16,46 @@ from autopar.passes.sharding_spec import (
 )
 from autopar.plan import LayerPlan, StagePlan
 
-from .layer_cost import LayerCost
+from .context import SearchContext
+from .stage_costs import StageCosts, StageEstimate
 from .stage_memory import stage_memory_bytes, state_layouts
-from .state import StateSplit
 from .transfers import StageLayouts, _with_transfers
 
 
-def _assemble(choice, *, hosts, per_host, device_ids, ranges, graph, diff, params, micro,
-              state_bytes_per_param_byte, cluster, fitting_stage, stage_options, gpipe,
-              alternatives=None) -> tuple[list[StagePlan], float, float, list[dict[str, Any]]]:
+def _assemble(choice: Sequence[tuple[tuple[int, int], tuple[int, int]]], ctx: SearchContext,
+              costs: StageCosts, refine: bool = False
+              ) -> tuple[list[StagePlan], float, float, list[dict[str, Any]]]:
     """The plan's stages for `choice` ((first, last) layer, sub-mesh shape) per stage, with
     their transfers priced from both stages' layouts (`_with_transfers`): (stages, seconds
     per step of per-step moves, step seconds, the priced transfers).
 
-    Each stage starts as its fastest option that fits (`fitting_stage`), chosen alone;
-    with `alternatives(i, j, submesh, in_flight)` (other options of a stage that fit), one
-    stage at a time then takes whichever of its alternatives makes the whole step fastest,
-    the others kept, until none does (at most REFINE_ROUNDS rounds): what a stage sends and
-    receives depends on its neighbours' layouts, which the stage alone does not see."""
-    devices = inter_op.assign_devices([s for _, s in choice], hosts, per_host)
-    in_flight = [micro if gpipe else len(choice) - k for k in range(len(choice))]
-    build = functools.partial(_stage_plan, ranges=ranges, graph=graph, params=params,
-                              micro=micro, device_ids=device_ids, whole=len(choice) == 1,
-                              state_bytes_per_param_byte=state_bytes_per_param_byte)
-    picks = [fitting_stage(*layers, submesh, flight) or min(
-        stage_options(*layers, submesh), key=lambda o: o.cost_s)
+    Each stage starts as its fastest option that fits (`StageCosts.fitting`), chosen alone;
+    with `refine`, one stage at a time then takes whichever of its other options that fit
+    (`StageCosts.alternatives`) makes the whole step fastest, the others kept, until none
+    does (at most REFINE_ROUNDS rounds): what a stage sends and receives depends on its
+    neighbours' layouts, which the stage alone does not see."""
+    graph, micro = ctx.graph, ctx.micro
+    devices = inter_op.assign_devices([s for _, s in choice], ctx.hosts, ctx.per_host)
+    in_flight = [micro if ctx.gpipe else len(choice) - k for k in range(len(choice))]
+    build = functools.partial(_stage_plan, ranges=ctx.ranges, graph=graph, params=ctx.params,
+                              micro=micro, device_ids=ctx.device_ids, whole=len(choice) == 1,
+                              state_bytes_per_param_byte=ctx.state_bytes_per_param_byte)
+    picks = [costs.fitting(*layers, submesh, flight) or min(
+        costs.options(*layers, submesh), key=lambda o: o.cost_s)
         for (layers, submesh), flight in zip(choice, in_flight)]
     built = [build(o, layers, devs, flight)
              for o, (layers, _), devs, flight in zip(picks, choice, devices, in_flight)]
 
     def priced(parts: list[tuple[StagePlan, StageLayouts]]):
         stages, per_step_s, transfers = _with_transfers(
-            [st for st, _ in parts], [lay for _, lay in parts], graph, diff, params, cluster,
-            per_host)
+            [st for st, _ in parts], [lay for _, lay in parts], graph, ctx.diff, ctx.params,
+            ctx.cluster, ctx.per_host)
         times = [st.predicted_s for st in stages]
         return stages, per_step_s, sum(times) + (micro - 1) * max(times) + per_step_s, transfers
 
     best = priced(built)
-    others = [] if alternatives is None else [
-        [o for o in alternatives(*layers, submesh, flight) if o is not pick]
+    others = [] if not refine else [
+        [o for o in costs.alternatives(*layers, submesh, flight) if o is not pick]
         for (layers, submesh), flight, pick in zip(choice, in_flight, picks)]
     for _ in range(REFINE_ROUNDS if any(others) else 0):
         changed = False
@@ -79,7 +79,7 @@ REFINE_ROUNDS = 3
 REFINE_GAIN = 1e-9
 
 
-def _stage_plan(best: _StageEstimate, layers: tuple[int, int], devs: Sequence[int],
+def _stage_plan(best: StageEstimate, layers: tuple[int, int], devs: Sequence[int],
                 in_flight: int, *, ranges, graph: Graph, params: set[int], micro: int,
                 device_ids: Sequence[int], whole: bool, state_bytes_per_param_byte: float
                 ) -> tuple[StagePlan, StageLayouts]:
@@ -116,18 +116,3 @@ def _stage_plan(best: _StageEstimate, layers: tuple[int, int], devs: Sequence[in
             (vid, spec) for vid, spec in states.items()
             if vid in wanted and spec != specs.get(vid))))
     return stage, StageLayouts.of(best.priced, best.programs, states)
-
-
-@dataclasses.dataclass(frozen=True)
-class _StageEstimate:
-    """Layers of a stage priced on one logical mesh: their solutions, programs and the
-    stage's seconds per micro-batch (layers + resharding between them + amortized update,
-    transfers from other stages not included).  `zero`: which parameters' optimizer state
-    is split (ZeRO-2), their parameters all-gathered after the update."""
-
-    priced: list[LayerCost]
-    programs: list[pipeline.StageProgram]
-    cost_s: float
-    zero: StateSplit | None = None
-    # Per layer, whether it is rematerialized (the variant `priced` solved).
-    remat: tuple[bool, ...] = ()
