@@ -462,7 +462,7 @@ def test_build_memos_give_the_unmemoized_problem(monkeypatch):
     equal matmuls (shared by the builds on one mesh through a `BuildCache`), followers and
     resharding tables (issue 47 item 4: a quarter to a half of GPT-39B's layer-ILP build
     time).  The problems equal those built with `MEMOIZE` off, and the memos were used."""
-    from autopar.passes import intra_op
+    from autopar.passes import intra_op, problem_builder
 
     def blocks(x, w1, w2, n=3):
         for _ in range(n):
@@ -483,7 +483,7 @@ def test_build_memos_give_the_unmemoized_problem(monkeypatch):
         return out
 
     memoized = problems()
-    monkeypatch.setattr(intra_op, "MEMOIZE", False)
+    monkeypatch.setattr(problem_builder, "MEMOIZE", False)
     plain = problems()
     for (a, hits), (b, none) in zip(memoized, plain):
         assert a.edges.tolist() == b.edges.tolist()
