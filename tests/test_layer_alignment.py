@@ -1,11 +1,11 @@
 """Layers of a stage laid out knowing their neighbours (`pipeline_search.layer_solutions`'s
 `LayerSolutions.aligned`): each layer's ILP chooses the layouts of the values it shares
-with the layers next to it freely, and the stage then pays for resharding between them; where that
-resharding costs, the layer is solved again paying for it, and the cheaper of the two is
-kept.  On a tied embedding and a GShard MoE layer, the free layouts disagree at the layer
-boundaries (a layer asks for its output's cotangent replicated where the next gives it
-split by batch, or reads the expert dispatch replicated): the stage's predicted time per
-micro-batch must drop, and the plan must still compute what `jax.jit` does."""
+with the layers next to it freely, and the stage then pays for resharding between them;
+where that resharding costs, the layer is solved again paying for it, and the cheaper of
+the two is kept.  On a tied embedding and a GShard MoE layer, the free layouts disagree at
+the layer boundaries (a layer asks for its output's cotangent replicated where the next
+gives it split by batch, or reads the expert dispatch replicated): the stage's predicted
+time per micro-batch must drop, and the plan must still compute what `jax.jit` does."""
 
 from __future__ import annotations
 

@@ -41,12 +41,11 @@ from autopar.plan import Plan, PredictedCost
 
 from .assemble import _assemble
 from .context import SearchContext, prepare
-from .layer_solutions import AFTER_NONE, AFTER_OWN, AFTER_TARGETS, AFTER_WHOLE, LayerSolutions
+from .layer_solutions import LayerSolutions
 from .reuse import _price_side_by_side
 from .stage_costs import StageCosts, StageCostTable
 
-__all__ = ["AFTER_NONE", "AFTER_OWN", "AFTER_TARGETS", "AFTER_WHOLE", "SearchReport",
-           "StageChoices", "StageCostTable", "recording", "search"]
+__all__ = ["SearchReport", "StageChoices", "recording", "search"]
 
 #: One pipeline: per stage, its (first, last) layer and its sub-mesh shape.
 Choice = tuple[tuple[tuple[int, int], tuple[int, int]], ...]
