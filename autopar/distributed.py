@@ -65,8 +65,9 @@ SHUTDOWN_TIMEOUT_S = 300
 PLAN_HEARTBEAT_S = 2.0
 PLAN_MISSED_HEARTBEATS = 30
 # A process whose plan exchange fails (process 0: its search raised) first waits, at most
-# this many seconds, for every other process to leave the exchange, so that they read its
-# error from the key-value store process 0 hosts (which ends when process 0 exits).
+# this many seconds, for every other process to leave the exchange (and, where its exit hook
+# is installed, to exit), so that they read its error from the key-value store process 0
+# hosts (which ends when process 0 exits) and end with it.
 PLAN_ERROR_LINGER_S = 10.0
 # `gather`: how long a process waits for a leaf from a process that holds it, seconds
 # (AUTOPAR_PLAN_TIMEOUT_S, when set, instead).
@@ -215,11 +216,21 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     _exit_at_once_on_errors()
 
 
+# Set once `initialize` has installed the exit hook: this process announces its exit in the
+# key-value store (`_EXITED_KEY`/<rank>), which process 0 waits for before it ends the store.
+_announces_exit = False
+_EXITED_KEY = "autopar/exited"
+_ANNOUNCE_TIMEOUT_S = 2.0  # how long the exit hook waits for the store to take its key
+
+
 def _exit_at_once_on_errors() -> None:
     """An uncaught exception ends the process at once (status 1, after the traceback):
     at a normal exit, JAX's shutdown waits up to the shutdown timeout for processes that
     are stuck waiting for this one; exiting at once lets them stop within the heartbeat
-    timeout instead."""
+    timeout instead.  Just before it exits, the process writes `_EXITED_KEY/<rank>` (at most
+    _ANNOUNCE_TIMEOUT_S): a process 0 whose search failed waits for it, so that the
+    others end with their own error rather than with "lost the coordinator"."""
+    global _announces_exit
     previous = sys.excepthook
 
     def hook(kind, value, traceback):
@@ -227,9 +238,30 @@ def _exit_at_once_on_errors() -> None:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
+        _announce_exit()
         os._exit(1)
 
     sys.excepthook = hook
+    _announces_exit = True
+
+
+def _announce_exit() -> None:
+    """Writes `_EXITED_KEY/<rank>` from a helper thread, waiting at most
+    _ANNOUNCE_TIMEOUT_S (the store may already be gone)."""
+    from jax._src import distributed as _distributed
+
+    state = _distributed.global_state
+    client, rank = state.client, state.process_id
+    if client is None or rank == 0:
+        return
+
+    def announce():
+        with contextlib.suppress(Exception):
+            client.key_value_set(f"{_EXITED_KEY}/{rank}", "1")
+
+    thread = threading.Thread(target=announce, name="autopar-exit", daemon=True)
+    thread.start()
+    thread.join(_ANNOUNCE_TIMEOUT_S)
 
 
 def _die_with(parent_pid: int) -> None:
@@ -305,7 +337,7 @@ def one_plan(fp: str | None, devices: Sequence[jax.Device] | None, search: Calla
     finally:
         beat.stop()
         with contextlib.suppress(Exception):
-            store.client.key_value_set(f"{key}/done/{rank}", "1")
+            store.client.key_value_set(f"{key}/done/{rank}", "exits" if _announces_exit else "1")
 
 
 def _exchange(key: str, rank: int, count: int, store: _Store, beat: _Heartbeat,
@@ -359,14 +391,23 @@ def _exchange(key: str, rank: int, count: int, store: _Store, beat: _Heartbeat,
 
 def _linger(store: _Store, key: str, count: int) -> None:
     """Waits, at most PLAN_ERROR_LINGER_S in all, until every other process has left the
-    exchange `key` (it writes `key/done/<rank>` on leaving)."""
+    exchange `key` (it writes `key/done/<rank>` on leaving) and, where it said it would
+    ("exits": its exit hook is installed), until it has announced its exit: a process that
+    still runs when process 0 ends would be stopped by JAX's "lost the coordinator" before
+    its own error ends it."""
     deadline = time.monotonic() + PLAN_ERROR_LINGER_S
-    for k in range(1, count):
+
+    def get(name: str) -> str | None:
         left = deadline - time.monotonic()
         if left <= 0:
-            return
+            return None
         with contextlib.suppress(Exception):
-            store.client.blocking_key_value_get(f"{key}/done/{k}", max(1, int(left * 1000)))
+            return store.client.blocking_key_value_get(name, max(1, int(left * 1000)))
+        return None
+
+    for k in range(1, count):
+        if get(f"{key}/done/{k}") == "exits":
+            get(f"{_EXITED_KEY}/{k}")
 
 
 # Set by `initialize` (JAX's own default when the process joined through
