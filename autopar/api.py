@@ -18,7 +18,7 @@ from autopar.cost_model.units import format_bytes
 from autopar.graph import Graph
 
 from . import (
-    distributed,
+    global_data,
     inline,
     markers,
     micro_batches,
@@ -27,6 +27,7 @@ from . import (
     pipeline,
     pipeline_search,
     plan_cache,
+    plan_exchange,
     planner,
     schedules,
     transfer,
@@ -202,11 +203,11 @@ class ParallelizedFunction:
                 return micro_batches.search(self, dynamic, static, positions, in_tree,
                                             cluster, device_ids)
 
-            if not distributed.spans_processes(devices):
+            if not plan_exchange.spans_processes(devices):
                 return search_counts()
             # Across processes, process 0 chooses the count (the searches could differ);
             # every process then traces at that count and checks the plan like a given one.
-            fixed = distributed.one_plan(None, devices, lambda: search_counts().plan,
+            fixed = plan_exchange.one_plan(None, devices, lambda: search_counts().plan,
                                          lambda plan: plan, None)
         pipelined = bool(fixed.stages) if fixed is not None else self.method.pipelined
         micro = fixed.num_micro_batches if fixed is not None else self.method.num_micro_batches
@@ -228,12 +229,12 @@ class ParallelizedFunction:
 
         # Across processes, process 0 searches (or reads its cache) and every process runs
         # its plan.
-        plan = distributed.one_plan(fp, devices, search, check, fixed)
+        plan = plan_exchange.one_plan(fp, devices, search, check, fixed)
         out = Traced(program, plan, split, traced.out_tree, in_tree, traced.args_info,
                      _trace=traced, _positions=positions, _trace_static=static, _step=self)
         if (fixed is None and devices is not None
                 and self.method.memory_budget_bytes is not None
-                and not distributed.spans_processes(devices)):
+                and not plan_exchange.spans_processes(devices)):
             out = self._fit_compiled_memory(out, fp, cluster, device_ids)
         return out
 
@@ -597,7 +598,7 @@ def place(step: ParallelizedFunction, *args) -> tuple:
     """`args` laid out as `step`'s program expects them (`step.input_shardings(*args)`):
     every leaf of every dynamic argument moved by one `jax.device_put` (device to device
     for arrays already on devices: no host gather); static arguments returned as given.
-    Across processes (`distributed.place_leaves`, which every process calls): numpy values
+    Across processes (`global_data.place_leaves`, which every process calls): numpy values
     and arrays on this process's own devices (what `init_state()` returns when every process
     runs it) are each process's copy of the same value, and each process cuts its shards
     from it; global arrays (over several processes' devices) move device to device.
@@ -610,7 +611,7 @@ def place(step: ParallelizedFunction, *args) -> tuple:
     leaves = jax.tree_util.tree_leaves(dynamic)
     shardings = traced._shardings("in")
     moved = (jax.device_put(leaves, shardings) if not transfer.multi_process()
-             else distributed.place_leaves(leaves, shardings, traced.program.input_names))
+             else global_data.place_leaves(leaves, shardings, traced.program.input_names))
     placed = jax.tree_util.tree_unflatten(traced.in_tree, moved)
     out = list(args)
     for pos, value in zip(positions, placed):

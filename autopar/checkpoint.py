@@ -58,7 +58,7 @@ def restore_target(step: ParallelizedFunction, *args, argnum: int = 0) -> Any:
 def _spanning_every_process(state: Any) -> Any:
     """`state` with each `jax.Array` leaf held by some processes only replaced by a copy
     replicated over every device of every process (the other leaves as they are)."""
-    from . import distributed
+    from . import global_data
 
     leaves, tree = jax.tree_util.tree_flatten(state)
     everyone = set(range(jax.process_count()))
@@ -66,7 +66,7 @@ def _spanning_every_process(state: Any) -> Any:
                and {d.process_index for d in x.sharding.device_set} != everyone]
     if partial:
         whole = NamedSharding(Mesh(np.array(jax.devices()), ("all",)), PartitionSpec())
-        values = distributed.gather([leaves[k] for k in partial])
+        values = global_data.gather([leaves[k] for k in partial])
         for k, value in zip(partial, values):
             leaves[k] = jax.make_array_from_process_local_data(whole, value, value.shape)
     return jax.tree_util.tree_unflatten(tree, leaves)

@@ -370,18 +370,18 @@ def test_input_shardings_give_the_plan_layouts_and_pipeline_inputs():
 
 
 def test_plan_wait_settings_from_the_environment(monkeypatch):
-    import autopar.distributed as dist
+    from autopar import kv_store
 
     monkeypatch.delenv("AUTOPAR_PLAN_TIMEOUT_S", raising=False)
     monkeypatch.delenv("AUTOPAR_PLAN_MISSED_HEARTBEATS", raising=False)
-    assert dist._fixed_timeout_s() is None
-    assert dist._missed_heartbeats() * dist.PLAN_HEARTBEAT_S == 60
+    assert kv_store.fixed_timeout_s() is None
+    assert kv_store.missed_heartbeats() * kv_store.PLAN_HEARTBEAT_S == 60
     monkeypatch.setenv("AUTOPAR_PLAN_TIMEOUT_S", "7200")
     monkeypatch.setenv("AUTOPAR_PLAN_MISSED_HEARTBEATS", "5")
-    assert dist._fixed_timeout_s() == 7200 and dist._missed_heartbeats() == 5
+    assert kv_store.fixed_timeout_s() == 7200 and kv_store.missed_heartbeats() == 5
     monkeypatch.setenv("AUTOPAR_PLAN_MISSED_HEARTBEATS", "0")
     with pytest.raises(ValueError, match="AUTOPAR_PLAN_MISSED_HEARTBEATS='0'"):
-        dist._missed_heartbeats()
+        kv_store.missed_heartbeats()
 
 
 def test_process_rows_of_a_sharding_on_other_processes():

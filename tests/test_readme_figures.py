@@ -68,8 +68,8 @@ ALLOWED = {
     "20 s": "the penalty loop's round length on S, a setting",
     "13 s": "the penalty loop's round length it was compared with, a setting",
     "15%": "the tolerance the accuracy report counts within, a setting",
-    "2 s": "the plan exchange's heartbeat interval (distributed.PLAN_HEARTBEAT_S), a setting",
-    "600 s": "dist.gather's wait bound (distributed.GATHER_TIMEOUT_S), a setting",
+    "2 s": "the plan exchange's heartbeat interval (kv_store.PLAN_HEARTBEAT_S), a setting",
+    "600 s": "dist.gather's wait bound (global_data.GATHER_TIMEOUT_S), a setting",
 }
 
 _NUM = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"

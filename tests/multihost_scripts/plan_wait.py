@@ -33,7 +33,7 @@ def main() -> int:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     import autopar
-    from autopar import planner
+    from autopar import kv_store, planner
 
     rank = jax.process_index()
 
@@ -76,7 +76,7 @@ def main() -> int:
                 self.beat()
 
         if rank == 0:
-            dist._Heartbeat._run = wedged
+            kv_store.Heartbeat._run = wedged
         slow_s = 300.0
         t0 = time.monotonic()
         try:
