@@ -19,7 +19,8 @@ from .plan import Plan
 
 if TYPE_CHECKING:
     from . import pipeline, planner
-    from .api import ParallelizedFunction, _Trace
+    from .api import ParallelizedFunction
+    from .step_trace import StepTrace
 
 
 @dataclasses.dataclass(eq=False)
@@ -45,7 +46,7 @@ class Traced:
     out_tree: Any
     in_tree: Any
     args_info: tuple[jax.ShapeDtypeStruct, ...]
-    _trace: _Trace = dataclasses.field(repr=False)
+    _trace: StepTrace = dataclasses.field(repr=False)
     _positions: list[int] = dataclasses.field(repr=False)
     _trace_static: tuple = dataclasses.field(repr=False)
     _step: ParallelizedFunction = dataclasses.field(repr=False)
