@@ -350,15 +350,8 @@ def cmd_launch(args) -> int:
 
 # ---- entry point -----------------------------------------------------------------------------
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="autopar", description="Alpa-style automatic parallelization for JAX: plan "
-        "offline for a cluster, inspect plans, profile this machine, run the demo.")
-    parser.add_argument("--debug", action="store_true",
-                        help="show the traceback of user errors too")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-
+def _add_plan(sub) -> None:
+    """`autopar plan`: search a plan offline."""
     p = sub.add_parser(
         "plan", help="search a parallel plan offline (no devices of the cluster needed)",
         description="Search a parallel plan for MODEL on a cluster you may not have: abstract "
@@ -402,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_plan)
 
+
+def _add_show(sub) -> None:
+    """`autopar show`: print or draw a saved plan."""
     p = sub.add_parser("show", help="print a saved plan; --png draws its schedule",
                        description="Print a plan file's summary and the sharding of its "
                        "largest inputs (per stage for pipelines); --png draws the pipeline "
@@ -412,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how many of the largest inputs to list (default 8)")
     p.set_defaults(run=cmd_show)
 
+
+def _add_profile(sub) -> None:
+    """`autopar profile`: measure this machine into a cluster JSON."""
     p = sub.add_parser("profile", help="measure this machine's devices into a cluster JSON",
                        description="Measure collectives and matmul throughput on this "
                        "machine's JAX devices and save a cluster spec usable as --cluster.")
@@ -420,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_profile)
 
+
+def _add_bench(sub) -> None:
+    """`autopar bench`: the benchmark suites."""
     p = sub.add_parser(
         "bench", help="benchmark suites: autopar against hand-written strategies",
         description="Weak-scaling suites of the Alpa paper (gpt, moe, wrn) priced on a "
@@ -435,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "[--only NAME,...] [--list] [--dry-run]")
     p.set_defaults(run=cmd_bench)
 
+
+def _add_demo(sub) -> None:
+    """`autopar demo`: plan and train a tiny GPT on emulated CPU devices."""
     p = sub.add_parser("demo", help="plan and train a tiny GPT on 8 emulated CPU devices",
                        description="On 8 emulated CPU devices: plan a tiny GPT automatically, "
                        "train it, and check the losses against the single-device jax.jit "
@@ -448,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_demo)
 
+
+def _add_launch(sub) -> None:
+    """`autopar launch`: a script on N local processes."""
     p = sub.add_parser(
         "launch", help="run a script on N local processes joined by jax.distributed",
         description="Start N local processes of a Python script (or -m MODULE) that calls "
@@ -471,6 +479,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("program", nargs=argparse.REMAINDER, metavar="script.py ARGS",
                    help="the script and its arguments (with -m: the module's arguments)")
     p.set_defaults(run=cmd_launch)
+
+
+# The subcommands in the order `autopar --help` lists them.
+_SUBCOMMANDS = (_add_plan, _add_show, _add_profile, _add_bench, _add_demo, _add_launch)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autopar", description="Alpa-style automatic parallelization for JAX: plan "
+        "offline for a cluster, inspect plans, profile this machine, run the demo.")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of user errors too")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for add in _SUBCOMMANDS:
+        add(sub)
     return parser
 
 

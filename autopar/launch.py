@@ -196,8 +196,6 @@ def launch(command: Sequence[str], num_processes: int, *,
     readers: list[threading.Thread] = []
     exit_s: dict[int, float] = {}
     stopped: set[int] = set()
-    first_failed: int | None = None
-    timed_out = False
     t0 = time.monotonic()
     try:
         for rank in range(num_processes):
@@ -214,24 +212,7 @@ def launch(command: Sequence[str], num_processes: int, *,
                                       daemon=True)
             reader.start()
             readers.append(reader)
-        kill_at: float | None = None
-        while len(exit_s) < num_processes:
-            now = time.monotonic()
-            for rank, proc in enumerate(procs):
-                if rank not in exit_s and proc.poll() is not None:
-                    exit_s[rank] = now - t0
-                    if proc.returncode != 0 and first_failed is None and rank not in stopped:
-                        first_failed = rank
-                        kill_at = now + grace_s
-            if len(exit_s) == num_processes:
-                break
-            if timeout_s is not None and now - t0 > timeout_s:
-                timed_out = True
-                kill_at = now
-            if kill_at is not None and now >= kill_at:
-                stopped |= _kill({r: p for r, p in enumerate(procs) if r not in exit_s})
-                continue
-            time.sleep(_POLL_S)
+        first_failed, timed_out = _wait(procs, t0, grace_s, timeout_s, exit_s, stopped)
     finally:
         # Always reap every child, also on KeyboardInterrupt or an error here.
         stopped |= _kill(dict(enumerate(procs)))
@@ -250,6 +231,36 @@ def launch(command: Sequence[str], num_processes: int, *,
     else:
         code = 0
     return LaunchResult(code, ranks, first_failed, timed_out, now - t0)
+
+
+def _wait(procs: Sequence[subprocess.Popen], t0: float, grace_s: float,
+          timeout_s: float | None, exit_s: dict[int, float],
+          stopped: set[int]) -> tuple[int | None, bool]:
+    """Polls the processes until every one has exited, recording each one's exit time
+    (seconds after `t0`) in `exit_s` and the ranks it killed in `stopped`: the others are
+    killed `grace_s` after the first failure, every one past `timeout_s`.  Returns (the rank
+    that failed first or None, whether the launch timed out)."""
+    first_failed: int | None = None
+    timed_out = False
+    kill_at: float | None = None
+    while len(exit_s) < len(procs):
+        now = time.monotonic()
+        for rank, proc in enumerate(procs):
+            if rank not in exit_s and proc.poll() is not None:
+                exit_s[rank] = now - t0
+                if proc.returncode != 0 and first_failed is None and rank not in stopped:
+                    first_failed = rank
+                    kill_at = now + grace_s
+        if len(exit_s) == len(procs):
+            break
+        if timeout_s is not None and now - t0 > timeout_s:
+            timed_out = True
+            kill_at = now
+        if kill_at is not None and now >= kill_at:
+            stopped |= _kill({r: p for r, p in enumerate(procs) if r not in exit_s})
+            continue
+        time.sleep(_POLL_S)
+    return first_failed, timed_out
 
 
 def _pump(proc: subprocess.Popen, rank: int, sink: list[str], echo: TextIO | None,

@@ -210,57 +210,18 @@ def profile(
     if matmul_shapes is None:
         matmul_shapes = matmul_sweep.GPU_SHAPES if devices[0].platform == "gpu" else ()
     matmul_shapes = [tuple(int(v) for v in shape) for shape in matmul_shapes]
-    if any(len(shape) != 3 or min(shape) < 1 for shape in matmul_shapes):
-        raise ValueError(f"matmul_shapes must be (m, k, n) triples of positive integers, "
-                         f"got {matmul_shapes}")
-    unknown = sorted(set(collectives) - set(COLLECTIVES))
-    if unknown:
-        raise ValueError(f"unknown collective(s) {unknown}; valid: {list(COLLECTIVES)}")
-    if repeats < 1 or not sizes or any(int(s) < 1 for s in sizes):
-        raise ValueError(f"profile requires repeats >= 1 and sizes >= 1, got {repeats=}, {sizes=}")
-    for shape in mesh_shapes:
-        if math.prod(shape) != n_dev:
-            raise ValueError(f"mesh shape {shape} does not hold the {n_dev} devices profiled")
+    _check_settings(n_dev, sizes, repeats, mesh_shapes, collectives, matmul_shapes)
 
     base = _base_cluster(devices)
     groups = [(kind, shape, axis) for shape in mesh_shapes for axis, n in enumerate(shape)
               if n > 1 for kind in collectives]
-    total = len(groups) * len(sizes) + len(dtypes) * (
-        len(matmul_sizes) + len(elementwise_bytes) + len(matmul_shapes))
-    done = 0
-
-    def tick(label: str) -> None:
-        if progress is not None:
-            progress(done, total, label)
-
-    samples = []
+    ticker = _Ticker(progress, len(groups) * len(sizes) + len(dtypes) * (
+        len(matmul_sizes) + len(elementwise_bytes) + len(matmul_shapes)))
     meshes = {shape: _mesh(devices, shape) for shape in mesh_shapes}
-    for kind, shape, axis in groups:
-        tick(f"{kind} mesh={shape} axis={axis}")
-        crosses = _crosses_hosts(meshes[shape], axis)
-        for nbytes, seconds in _time_collective(kind, meshes[shape], axis, sizes, repeats):
-            samples.append({"collective": kind, "mesh_shape": list(shape), "axis": axis,
-                            "group_size": shape[axis], "crosses_hosts": crosses,
-                            "nbytes": nbytes, "seconds": seconds})
-        done += len(sizes)
-
-    compute_samples = []
-    flat = _mesh(devices, (n_dev,))
-    for dtype in dtypes:
-        for m in matmul_sizes:
-            tick(f"matmul {dtype} {m}x{m}x{m}")
-            compute_samples.append(_time_matmul(flat, dtype, m, repeats))
-            done += 1
-        for nbytes in elementwise_bytes:
-            tick(f"elementwise {dtype} {nbytes} B")
-            compute_samples.append(_time_elementwise(flat, dtype, nbytes, repeats))
-            done += 1
-        for shape in matmul_shapes:
-            tick(f"matmul chain {dtype} {'x'.join(map(str, shape))}")
-            compute_samples.append(
-                matmul_sweep.time_shape(flat, dtype, shape, repeats, _interleaved_medians))
-            done += 1
-    tick("done")
+    samples = _measure_collectives(groups, meshes, sizes, repeats, ticker)
+    compute_samples = _measure_compute(_mesh(devices, (n_dev,)), dtypes, matmul_sizes,
+                                       elementwise_bytes, matmul_shapes, repeats, ticker)
+    ticker.at("done")
 
     fits = _fit_groups(samples)
     links, cluster = _fit_cluster(base, samples, compute_samples)
@@ -274,6 +235,75 @@ def profile(
     }
     return ProfileResult(cluster, tuple(samples), tuple(fits), links, tuple(compute_samples),
                          meta)
+
+
+
+def _check_settings(n_dev: int, sizes: Sequence[int], repeats: int,
+                    mesh_shapes: Sequence[tuple[int, ...]], collectives: Sequence[str],
+                    matmul_shapes: Sequence[tuple[int, ...]]) -> None:
+    """Raises ValueError for settings `profile` cannot measure."""
+    if any(len(shape) != 3 or min(shape) < 1 for shape in matmul_shapes):
+        raise ValueError(f"matmul_shapes must be (m, k, n) triples of positive integers, "
+                         f"got {list(matmul_shapes)}")
+    unknown = sorted(set(collectives) - set(COLLECTIVES))
+    if unknown:
+        raise ValueError(f"unknown collective(s) {unknown}; valid: {list(COLLECTIVES)}")
+    if repeats < 1 or not sizes or any(int(s) < 1 for s in sizes):
+        raise ValueError(f"profile requires repeats >= 1 and sizes >= 1, got {repeats=}, {sizes=}")
+    for shape in mesh_shapes:
+        if math.prod(shape) != n_dev:
+            raise ValueError(f"mesh shape {shape} does not hold the {n_dev} devices profiled")
+
+
+class _Ticker:
+    """`profile`'s progress: measurements done out of `total`, reported before each one."""
+
+    def __init__(self, progress: Progress | None, total: int):
+        self.progress, self.total, self.done = progress, total, 0
+
+    def at(self, label: str) -> None:
+        if self.progress is not None:
+            self.progress(self.done, self.total, label)
+
+
+def _measure_collectives(groups: Sequence[tuple[str, tuple[int, ...], int]],
+                         meshes: dict[tuple[int, ...], Any], sizes: Sequence[int],
+                         repeats: int, ticker: _Ticker) -> list[dict]:
+    """One sample per (collective, mesh, axis, size): its seconds for `nbytes` bytes."""
+    samples = []
+    for kind, shape, axis in groups:
+        ticker.at(f"{kind} mesh={shape} axis={axis}")
+        crosses = _crosses_hosts(meshes[shape], axis)
+        for nbytes, seconds in _time_collective(kind, meshes[shape], axis, sizes, repeats):
+            samples.append({"collective": kind, "mesh_shape": list(shape), "axis": axis,
+                            "group_size": shape[axis], "crosses_hosts": crosses,
+                            "nbytes": nbytes, "seconds": seconds})
+        ticker.done += len(sizes)
+    return samples
+
+
+def _measure_compute(flat: Any, dtypes: Sequence[str], matmul_sizes: Sequence[int],
+                     elementwise_bytes: Sequence[int],
+                     matmul_shapes: Sequence[tuple[int, ...]], repeats: int,
+                     ticker: _Ticker) -> list[dict]:
+    """Matmul, elementwise and matmul-chain samples on the flat mesh `flat`, per dtype."""
+    samples = []
+
+    def run(label: str, measure: Callable[..., dict], *args: Any) -> None:
+        ticker.at(label)
+        samples.append(measure(*args))
+        ticker.done += 1
+
+    for dtype in dtypes:
+        for m in matmul_sizes:
+            run(f"matmul {dtype} {m}x{m}x{m}", _time_matmul, flat, dtype, m, repeats)
+        for nbytes in elementwise_bytes:
+            run(f"elementwise {dtype} {nbytes} B", _time_elementwise, flat, dtype, nbytes,
+                repeats)
+        for shape in matmul_shapes:
+            run(f"matmul chain {dtype} {'x'.join(map(str, shape))}", matmul_sweep.time_shape,
+                flat, dtype, shape, repeats, _interleaved_medians)
+    return samples
 
 
 # --- fitting ----------------------------------------------------------------------------------
