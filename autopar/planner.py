@@ -113,10 +113,15 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
     results, errors = [], []
     shapes = method.mesh_shapes(n)
     started, mirrors = [], {}
-    ties = [(out_pos, graph.invars[in_pos]) for out_pos, in_pos in program.ties]
     micro = method.num_micro_batches
-    comm_scale = ({k: 1.0 / micro for k in reduced_once(graph)}
-                  if isinstance(micro, int) and micro > 1 else None)
+    # Every mesh ILP of this search: the same program, budget, solver and scaling.
+    start = functools.partial(
+        intra_op.start, graph,
+        ties=[(out_pos, graph.invars[in_pos]) for out_pos, in_pos in program.ties],
+        memory_budget_bytes=budget, batch_size=program.batch_size, solver=method.solver,
+        time_limit_s=method.time_limit_s,
+        comm_scale=({k: 1.0 / micro for k in reduced_once(graph)}
+                    if isinstance(micro, int) and micro > 1 else None))
     batch_axis_of = getattr(method, "batch_mesh_axis", None)
     # A fixed 2-D mesh is also solved as one axis (flat_view): plans that split every
     # value over all devices are found directly there, not through re-layouts.
@@ -143,42 +148,17 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
                 continue
             if progress:
                 progress(f"mesh ILP {k + 1}/{len(shapes)}: logical mesh {shape}")
-            started.append((mesh, forced, intra_op.start(
-                graph, mesh, forced=forced, ties=ties, memory_budget_bytes=budget,
-                batch_size=program.batch_size, solver=method.solver,
-                time_limit_s=method.time_limit_s, comm_scale=comm_scale,
-                value_costs=penalties[shape], submit=submit)))
+            started.append((mesh, forced, start(mesh, forced=forced,
+                                                value_costs=penalties[shape], submit=submit)))
         flat_run = None
         if flat_start is not None:
             flat_mesh, flat_forced = flat_start
             if progress:
                 progress(f"mesh ILP: logical mesh {shapes[0]} as one axis {flat}")
-            flat_run = intra_op.start(
-                graph, flat_mesh, forced=flat_forced, ties=ties, memory_budget_bytes=budget,
-                batch_size=program.batch_size, solver=method.solver,
-                time_limit_s=method.time_limit_s, comm_scale=comm_scale, submit=submit)
+            flat_run = start(flat_mesh, forced=flat_forced, submit=submit)
         for mesh, forced, run in started:
-            try:
-                results.append(answer(run, f"the mesh ILP on logical mesh {mesh.shape}"))
-            except intra_op.MemoryBudgetError as err:
-                errors.append(err)
-                lean = lean_forced(forced, program, mesh)
-                if lean == forced:
-                    continue
-                if progress:
-                    progress(f"mesh ILP {mesh.shape}: the budget again, every parameter and "
-                             "optimizer state split")
-                try:
-                    results.append(answer(intra_op.start(
-                        graph, mesh, forced=lean, ties=ties, memory_budget_bytes=budget,
-                        batch_size=program.batch_size, solver=method.solver,
-                        time_limit_s=method.time_limit_s, comm_scale=comm_scale,
-                        value_costs=penalties[mesh.shape]),
-                        f"the memory-lean mesh ILP on logical mesh {mesh.shape}"))
-                except intra_op.MemoryBudgetError as lean_err:
-                    errors.append(lean_err)
-                continue
-            if progress:
+            if _answer_or_lean(run, mesh, forced, program, start, penalties[mesh.shape],
+                               results, errors, progress) and progress:
                 best = min(results, key=lambda r: r.step_s)
                 progress(f"mesh ILP {mesh.shape} solved: {results[-1].step_s * 1e3:.3f} ms "
                          f"(best {best.step_s * 1e3:.3f} ms on {best.mesh.shape})")
@@ -191,19 +171,7 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
         pool.close(cancel=True)
         raise
     pool.close()
-    if not results:
-        raise min(errors, key=lambda e: e.smallest_bytes)
-    if any(penalties.values()):
-        kept = [r for r in results
-                if not carries_penalty(r.value_specs, penalties[r.mesh.shape].items())]
-        if not kept:
-            raise ValueError(f"batch_axis: the solver found no layout on the logical meshes "
-                             f"{[r.mesh.shape for r in results]} that keeps every batch dim "
-                             f"off the other mesh axes (raise time_limit_s)")
-        results = kept
-    best = min(results, key=lambda r: r.step_s)
-    in_specs = tuple(best.value_specs[v] for v in graph.invars)
-    decided = {v: s for v, s in best.value_specs.items() if graph.values[v].producer is not None}
+    best = _best(results, errors, penalties)
     stats = dict(best.stats)
     stats["search_s"] = time.perf_counter() - t0
     stats["phases_s"] = {"mesh ILPs": stats["search_s"]}
@@ -214,6 +182,65 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
         stats["mirror_meshes"] = {str(a): str(b) for a, b in mirrors.items()}
     if batch_axis_of is not None and batch_axis_of(best.mesh) is not None:
         stats["batch_axis"] = batch_axis_of(best.mesh)
+    candidates = _with_mirrors([(r.mesh.shape, r.step_s) for r in results], mirrors,
+                               [*shapes, flat] if flat_run is not None else shapes)
+    return _plan_of(best, program, method, cluster, device_ids, fp, stats, candidates)
+
+
+def _answer_or_lean(run: intra_op.PendingRun, mesh: MeshContext, forced: dict[int, Spec],
+                    program: Program, start: Callable[..., intra_op.PendingRun],
+                    penalties: Mapping[int, Callable[[Spec], float]],
+                    results: list[intra_op.IntraOpResult],
+                    errors: list[intra_op.MemoryBudgetError],
+                    progress: Callable[[str], None] | None) -> bool:
+    """Appends the answer of one mesh ILP to `results`; when it does not fit the budget,
+    appends its error to `errors` and solves the mesh again with every parameter and
+    optimizer state split (`lean_forced`), in this process.  True when the first ILP
+    answered."""
+    try:
+        results.append(answer(run, f"the mesh ILP on logical mesh {mesh.shape}"))
+        return True
+    except intra_op.MemoryBudgetError as err:
+        errors.append(err)
+    lean = lean_forced(forced, program, mesh)
+    if lean == forced:
+        return False
+    if progress:
+        progress(f"mesh ILP {mesh.shape}: the budget again, every parameter and optimizer "
+                 "state split")
+    try:
+        results.append(answer(start(mesh, forced=lean, value_costs=penalties),
+                              f"the memory-lean mesh ILP on logical mesh {mesh.shape}"))
+    except intra_op.MemoryBudgetError as lean_err:
+        errors.append(lean_err)
+    return False
+
+
+def _best(results: list[intra_op.IntraOpResult], errors: list[intra_op.MemoryBudgetError],
+          penalties: Mapping[tuple[int, ...], Mapping[int, Callable[[Spec], float]]]
+          ) -> intra_op.IntraOpResult:
+    """The fastest answer; with a batch axis, the fastest that keeps every batch dim on
+    it.  Raises the error of the smallest budget shortfall when no mesh fits."""
+    if not results:
+        raise min(errors, key=lambda e: e.smallest_bytes)
+    if any(penalties.values()):
+        kept = [r for r in results
+                if not carries_penalty(r.value_specs, penalties[r.mesh.shape].items())]
+        if not kept:
+            raise ValueError(f"batch_axis: the solver found no layout on the logical meshes "
+                             f"{[r.mesh.shape for r in results]} that keeps every batch dim "
+                             f"off the other mesh axes (raise time_limit_s)")
+        results = kept
+    return min(results, key=lambda r: r.step_s)
+
+
+def _plan_of(best: intra_op.IntraOpResult, program: Program, method: Method,
+             cluster: ClusterSpec, device_ids: Sequence[int], fp: str, stats: dict,
+             candidates: tuple) -> Plan:
+    """The single-mesh plan of the chosen mesh ILP's answer."""
+    graph = program.graph
+    micro = method.num_micro_batches
+    decided = {v: s for v, s in best.value_specs.items() if graph.values[v].producer is not None}
     return Plan(
         fingerprint=fp,
         method=method.name,
@@ -222,14 +249,13 @@ def search(program: Program, method: Method, cluster: ClusterSpec,
         mesh_axes=best.mesh.axes,
         device_ids=tuple(device_ids),
         input_names=program.input_names,
-        in_specs=in_specs,
+        in_specs=tuple(best.value_specs[v] for v in graph.invars),
         out_specs=best.out_specs,
         value_specs=tuple(sorted(decided.items())),
         predicted=PredictedCost(best.step_s, best.compute_s, best.comm_s + best.bucket_alpha_s,
                                 best.memory_bytes, graph.total_flops()),
         solver=stats,
-        candidates=_with_mirrors([(r.mesh.shape, r.step_s) for r in results], mirrors,
-                                 [*shapes, flat] if flat_run is not None else shapes),
+        candidates=candidates,
         operand_specs=best.operand_specs,
         num_micro_batches=micro if isinstance(micro, int) else 1,
     )

@@ -191,11 +191,8 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
     traffic = {vid: ACCUMULATE_TRAFFIC for vid in grad_outs}
     param_inputs = [(fb.invars[k], graph.values[vid]) for k, vid in enumerate(f_ids)
                     if vid in params] if update is not None or lean or memory_price else []
-    # A fixed (dp, tp) layout splits the batch over dp only: the other axes split the model.
-    batch_led = (batch_carried_dims(fb, [v for k, v in enumerate(fb.invars)
-                                         if k >= len(f_ids) or f_ids[k] not in params],
-                                    batch_size, {batch_size})
-                 if forced_batch_axis and batch_size else {})
+    batch_led = _batch_led(fb, f_ids, params, batch_size) \
+        if forced_batch_axis and batch_size else {}
     pending = []
     charges: dict[tuple[int, ...], dict[int, Callable[[Spec], float]]] = {}
     penalties: dict[tuple[int, ...], list[tuple[int, Callable[[Spec], float]]]] = {}
@@ -206,61 +203,84 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
         updates = {fv: _param_cost(update, lean_costs.get(fv), value.shape, value.nbytes, mesh,
                                    num_micro_batches, memory_price)
                    for fv, value in param_inputs}
-        penalties[shape] = list(lean_costs.items())
-        if batch_led:
-            # The data-parallel axis is the only one the batch is split over, so a (dp,
-            # tp) stage is tensor-parallel over tp, not data-parallel over dp x tp.
-            held = batch_axis_only(batch_led, mesh.axes[0])
-            updates = _summed(updates, held)
-            penalties[shape] += held.items()
+        # The data-parallel axis is the only one the batch is split over, so a (dp, tp)
+        # stage is tensor-parallel over tp, not data-parallel over dp x tp.
+        held = batch_axis_only(batch_led, mesh.axes[0]) if batch_led else {}
+        penalties[shape] = [*lean_costs.items(), *held.items()]
         if neighbours:
             charges[shape] = _neighbour_costs(layer, position, graph, neighbours, mesh)
-            updates = _summed(updates, charges[shape])
-        forced = {}
-        if input_rule is not None:
-            for pos, vid in enumerate(fb.invars[:len(position)]):
-                spec = input_rule(f_ids[pos], mesh)
-                if spec is not None:
-                    forced[vid] = spec
-        if forced_batch_axis and batch_size:
-            for pos, vid in enumerate(fb.invars):
-                v = fb.values[vid]
-                if pos >= len(fn.diff_ids) and v.shape and v.shape[0] == batch_size \
-                        and batch_size % shape[0] == 0:
-                    forced[vid] = ((mesh.axes[0],),) + ((),) * (v.ndim - 1)
-        pending.append((shape, mesh, intra_op.start(
+        updates = _summed(_summed(updates, held), charges.get(shape, {}))
+        forced = _forced_inputs(layer, f_ids, mesh, input_rule,
+                                batch_size if forced_batch_axis else None)
+        pending.append((shape, mesh, updates, intra_op.start(
             fb, mesh, forced=forced, batch_size=batch_size, solver=solver,
             time_limit_s=time_limit_s, comm_scale=scale, traffic=traffic,
             value_costs=updates, submit=submit, retry_time_limit_s=retry_time_limit_s,
             builds=builds)))
-    def uncharged(p: LayerCost) -> LayerCost:
-        """The solution's time without the memory price and the resharding to its
-        neighbours its ILP paid (the first is not seconds the step spends, the stage prices
-        the second)."""
-        charge = memory_price * _held_bytes(p, program, params, graph, update) \
-            if memory_price else 0.0
-        vs = dict(p.value_specs)
-        if p.mesh.shape in charges:
-            charge += sum(fn(vs[v]) for v, fn in charges[p.mesh.shape].items() if v in vs)
-        penalized = carries_penalty(vs, penalties[p.mesh.shape])
-        return dataclasses.replace(p, cost_s=p.cost_s - charge, penalized=penalized) \
-            if charge or penalized else p
 
     # The parameters' own work is priced apart from its update only without other charges
-    # on their layouts (`_fixed_floor_s`).
+    # on their layouts (`_fixed_floor_s`), with the updates priced on the same mesh.
     plain = not (lean or memory_price or neighbours or batch_led)
-    param_ids = {fb.invars[k] for k, vid in enumerate(f_ids) if vid in params}
+    param_ids = {fb.invars[k] for k, vid in enumerate(f_ids) if vid in params} if plain \
+        else set()
 
-    def floored(p: LayerCost, run: intra_op.PendingRun) -> LayerCost:
-        floor = _fixed_floor_s(fb, run, grad_outs, param_ids if plain else set(),
-                               updates if plain else {}, p.mesh)
+    def priced(shape: tuple[int, ...], mesh: MeshContext, updates, run) -> LayerCost:
+        p = _priced(graph, program, layer, position, per_micro_inputs, mesh, answer(
+            run, f"the layer ILP ({len(program.eqns)} equations) on sub-mesh {submesh}, "
+                 f"logical mesh {shape}"))
+        held = memory_price * _held_bytes(p, program, params, graph, update) \
+            if memory_price else 0.0
+        p = _uncharged(p, held, charges.get(shape, {}), penalties[shape])
+        floor = _fixed_floor_s(fb, run, grad_outs, param_ids, updates if plain else {}, mesh)
         return dataclasses.replace(p, fixed_floor_s=floor) if floor else p
 
-    return lambda: {shape: floored(uncharged(_priced(
-        graph, program, layer, position, per_micro_inputs, mesh,
-        answer(run, f"the layer ILP ({len(program.eqns)} equations) on sub-mesh {submesh}, "
-                    f"logical mesh {shape}"))), run)
-        for shape, mesh, run in pending}
+    return lambda: {shape: priced(shape, mesh, updates, run)
+                    for shape, mesh, updates, run in pending}
+
+
+def _batch_led(fb: Graph, f_ids: Sequence[int], params: set[int],
+               batch_size: int) -> dict[int, tuple[int, ...]]:
+    """The batch dims of a layer's values, carried from its non-parameter inputs of the
+    batch's size: a fixed (dp, tp) layout splits the batch over dp only, the other axes
+    split the model."""
+    return batch_carried_dims(fb, [v for k, v in enumerate(fb.invars)
+                                   if k >= len(f_ids) or f_ids[k] not in params],
+                              batch_size, {batch_size})
+
+
+def _uncharged(p: LayerCost, held_s: float, charges: Mapping[int, Callable[[Spec], float]],
+               penalties: Sequence[tuple[int, Callable[[Spec], float]]]) -> LayerCost:
+    """A layer solution's time without what its ILP paid beyond the step's seconds: the
+    memory price of the bytes it holds (`held_s`) and the resharding to its neighbours
+    (`charges`, by value; the stage prices that itself); `penalized` when one of its
+    values carries a penalty (`penalties`)."""
+    vs = dict(p.value_specs)
+    charge = held_s + sum(fn(vs[v]) for v, fn in charges.items() if v in vs)
+    penalized = carries_penalty(vs, penalties)
+    return dataclasses.replace(p, cost_s=p.cost_s - charge, penalized=penalized) \
+        if charge or penalized else p
+
+
+def _forced_inputs(layer: LayerProgram, f_ids: Sequence[int], mesh: MeshContext,
+                   input_rule: Callable[[int, MeshContext], Spec | None] | None,
+                   batch_size: int | None) -> dict[int, Spec]:
+    """The specs a layer ILP fixes for its inputs (`fb`'s invars) on `mesh`: those
+    `input_rule` gives (by F value id), and with `batch_size` every non-parameter input of
+    the batch's size split over the mesh's first axis (when that axis divides it)."""
+    fn, fb = layer.fn, layer.fb
+    forced = {}
+    if input_rule is not None:
+        for pos, vid in enumerate(fb.invars[:len(f_ids)]):
+            spec = input_rule(f_ids[pos], mesh)
+            if spec is not None:
+                forced[vid] = spec
+    if batch_size:
+        for pos, vid in enumerate(fb.invars):
+            v = fb.values[vid]
+            if pos >= len(fn.diff_ids) and v.shape and v.shape[0] == batch_size \
+                    and batch_size % mesh.shape[0] == 0:
+                forced[vid] = ((mesh.axes[0],),) + ((),) * (v.ndim - 1)
+    return forced
 
 
 def _fixed_floor_s(fb: Graph, run: intra_op.PendingRun, grad_outs: Sequence[int],
