@@ -151,32 +151,8 @@ def analyze(graph: Graph, *, cpu: bool = False) -> BufferInfo:
     for op in graph.outvars:
         if isinstance(op, int):
             is_output[op] = True
-    folded = np.zeros(n_vals, bool)  # constants and values computed from them only
-    for v in graph.values:
-        if v.const_index is not None:
-            folded[v.id] = True
-    for e in graph.eqns:
-        ops = [op for op in e.inputs if isinstance(op, int)]
-        if all(folded[op] for op in ops) and not primitives.info(e.name).random:
-            folded[list(e.outputs)] = True
-    # Per equation output: "buffer" (every reader reads its buffer), "fused" (every reader
-    # recomputes it), "split" (some readers recompute it, the others read its buffer).
-    mode: dict[int, str] = {}
-    for e in graph.eqns:
-        if not primitives.info(e.name).fusible or len(e.outputs) != 1:
-            continue
-        out = e.outputs[0]
-        users = graph.consumers[out]
-        if is_output[out] or not users or folded[out]:
-            continue
-        if _expensive(graph, e) and len(users) > 1:
-            continue
-        fusing = [u for u in users
-                  if primitives.info(graph.eqns[u].name).reads_fused and not into_reduce[u]]
-        if len(fusing) == len(users):
-            mode[out] = "fused"
-        elif any(primitives.info(graph.eqns[u].name).fusible for u in fusing):
-            mode[out] = "split"
+    folded = _folded(graph)
+    mode = _fusion_modes(graph, is_output, folded, into_reduce)
 
     def recomputes(vid: int, user: int) -> bool:
         # Where the value has a buffer anyway, a reduction reads it (input fusion reads
@@ -212,9 +188,69 @@ def analyze(graph: Graph, *, cpu: bool = False) -> BufferInfo:
             end[v.id] = horizon
         else:
             end[v.id] = max((t for _, t in reads), default=s) + 1
-    # A gather / scatter that reads only the step's inputs (embedding lookups, one-hot
-    # labels) is scheduled at the start by XLA: its buffer lives from then on.
-    from_inputs = np.zeros(n_vals, bool)
+    _start_indexed_from_inputs(graph, start)
+    fused = np.array([mode.get(v, "") == "fused" for v in range(n_vals)], bool)
+    materialized = ~fused & ~folded
+    eqn_bytes = np.zeros(n_eqns)
+    for v in graph.values:
+        if not materialized[v.id] and v.const_index is None:
+            continue
+        for u, _ in readers[v.id]:
+            eqn_bytes[u] += v.nbytes
+        if v.producer is not None and materialized[v.id]:
+            eqn_bytes[v.producer] += v.nbytes
+    expansions = []
+    for e in graph.eqns:
+        found = EXPANDED[e.name](graph, e) if e.name in EXPANDED else None
+        if found is not None:
+            expansions.append((e.index, *found))
+    return BufferInfo(materialized, start, end, horizon, _urgent(graph), is_output, last,
+                      _inplace(graph, mode, materialized), readers, eqn_bytes,
+                      _cpu_broadcasts(graph, into_reduce, earliest, last), tuple(expansions))
+
+
+def _folded(graph: Graph) -> np.ndarray:
+    """Per value: a constant, or computed from constants only (no random draws)."""
+    folded = np.zeros(len(graph.values), bool)
+    for v in graph.values:
+        if v.const_index is not None:
+            folded[v.id] = True
+    for e in graph.eqns:
+        ops = [op for op in e.inputs if isinstance(op, int)]
+        if all(folded[op] for op in ops) and not primitives.info(e.name).random:
+            folded[list(e.outputs)] = True
+    return folded
+
+
+def _fusion_modes(graph: Graph, is_output: np.ndarray, folded: np.ndarray,
+                  into_reduce: np.ndarray) -> dict[int, str]:
+    """Per fusible equation output: "fused" (every reader recomputes it) or "split" (some
+    readers recompute it, the others read its buffer); absent: every reader reads its
+    buffer."""
+    mode: dict[int, str] = {}
+    for e in graph.eqns:
+        if not primitives.info(e.name).fusible or len(e.outputs) != 1:
+            continue
+        out = e.outputs[0]
+        users = graph.consumers[out]
+        if is_output[out] or not users or folded[out]:
+            continue
+        if _expensive(graph, e) and len(users) > 1:
+            continue
+        fusing = [u for u in users
+                  if primitives.info(graph.eqns[u].name).reads_fused and not into_reduce[u]]
+        if len(fusing) == len(users):
+            mode[out] = "fused"
+        elif any(primitives.info(graph.eqns[u].name).fusible for u in fusing):
+            mode[out] = "split"
+    return mode
+
+
+def _start_indexed_from_inputs(graph: Graph, start: np.ndarray) -> None:
+    """A gather / scatter that reads only the step's inputs (embedding lookups, one-hot
+    labels) is scheduled at the start by XLA: its buffer lives from then on (`start` set
+    to 0 in place)."""
+    from_inputs = np.zeros(len(graph.values), bool)
     for v in graph.values:
         if v.producer is None:
             from_inputs[v.id] = True
@@ -223,15 +259,24 @@ def analyze(graph: Graph, *, cpu: bool = False) -> BufferInfo:
             from_inputs[list(e.outputs)] = True
             if primitives.info(e.name).indexed:
                 start[list(e.outputs)] = 0
-    urgent = np.zeros(n_vals, bool)
+
+
+def _urgent(graph: Graph) -> np.ndarray:
+    """Per value: read, directly or through other values, by a critical equation."""
+    urgent = np.zeros(len(graph.values), bool)
     for e in reversed(graph.eqns):
         hot = primitives.info(e.name).critical or any(urgent[o] for o in e.outputs)
         if hot:
             for op in e.inputs:
                 if isinstance(op, int):
                     urgent[op] = True
-    fused = np.array([mode.get(v, "") == "fused" for v in range(n_vals)], bool)
-    materialized = ~fused & ~folded
+    return urgent
+
+
+def _inplace(graph: Graph, mode: Mapping[int, str],
+             materialized: np.ndarray) -> dict[int, tuple[int, ...]]:
+    """Per materialized fusible output: the materialized computed values its fusion reads
+    (through the fused values it recomputes), whose buffers it may reuse."""
     inplace: dict[int, tuple[int, ...]] = {}
     for e in graph.eqns:
         if not primitives.info(e.name).fusible or len(e.outputs) != 1:
@@ -251,22 +296,7 @@ def analyze(graph: Graph, *, cpu: bool = False) -> BufferInfo:
                 elif materialized[op] and graph.values[op].producer is not None:
                     found.append(op)
         inplace[out] = tuple(found)
-    eqn_bytes = np.zeros(n_eqns)
-    for v in graph.values:
-        if not materialized[v.id] and v.const_index is None:
-            continue
-        for u, _ in readers[v.id]:
-            eqn_bytes[u] += v.nbytes
-        if v.producer is not None and materialized[v.id]:
-            eqn_bytes[v.producer] += v.nbytes
-    expansions = []
-    for e in graph.eqns:
-        found = EXPANDED[e.name](graph, e) if e.name in EXPANDED else None
-        if found is not None:
-            expansions.append((e.index, *found))
-    return BufferInfo(materialized, start, end, horizon, urgent, is_output, last, inplace,
-                      readers, eqn_bytes, _cpu_broadcasts(graph, into_reduce, earliest, last),
-                      tuple(expansions))
+    return inplace
 
 
 def _cpu_broadcasts(graph: Graph, into_reduce: np.ndarray, earliest: np.ndarray,
