@@ -207,33 +207,37 @@ def _dominated(feat: np.ndarray) -> np.ndarray:
     return np.any(strict | tie_lower, axis=0)
 
 
-def reduce_problem(p: ShardingProblem) -> tuple[Reduced, dict]:
-    """Applies the exact reductions; returns the reduced problem and size statistics."""
-    g = _Graph(p)
-    n = p.num_nodes
-    limit = p.usage_limit
-    iv = p.intervals
-    # Forbidden node strategies first: they must not count as the node's minimum usage.
-    for v in range(n):
-        ok = g.cost[v] < INFINITE_COST
-        if ok.any() and not ok.all():
-            g.keep(v, ok)
+class _Reducer:
+    """One problem's reduction: its graph, which nodes the memory constraint still concerns
+    (`mem_rel`), their checkpoint ranges (`rng`) and the checkpoints' free bytes (`cap`)."""
 
-    mem_rel = np.zeros(n, bool)
-    rng = np.zeros((n, 2), np.int64)
-    cap = np.zeros(0)
+    def __init__(self, p: ShardingProblem) -> None:
+        self.p = p
+        self.g = g = _Graph(p)
+        n = p.num_nodes
+        # Forbidden node strategies first: they must not count as the node's minimum usage.
+        for v in range(n):
+            ok = g.cost[v] < INFINITE_COST
+            if ok.any() and not ok.all():
+                g.keep(v, ok)
+        self.mem_rel = np.zeros(n, bool)
+        self.rng = np.zeros((n, 2), np.int64)
+        self.cap = np.zeros(0)
+        self.setup_memory()
 
-    def setup_memory() -> None:
-        nonlocal cap
-        mem_rel[:] = False
+    def setup_memory(self) -> None:
+        """Re-derives the binding checkpoints and the memory-relevant nodes from the live
+        strategies (bytes); InfeasibleError when the minimum usage alone is over the limit."""
+        p, g, limit, iv = self.p, self.g, self.p.usage_limit, self.p.intervals
+        self.mem_rel[:] = False
         if limit is None:
-            cap = np.zeros(0)
+            self.cap = np.zeros(0)
             return
+        n = p.num_nodes
         alive = np.flatnonzero(g.alive)
         t = checkpoints(p)
         a = np.searchsorted(t, iv[:, 0], "left")
-        b = np.searchsorted(t, iv[:, 1], "left")
-        b = np.maximum(a, b)
+        b = np.maximum(a, np.searchsorted(t, iv[:, 1], "left"))
         umin = np.array([g.use[v].min() for v in range(n)])
         umax = np.array([g.use[v].max() for v in range(n)])
         base = np.zeros(len(t) + 1)
@@ -247,21 +251,26 @@ def reduce_problem(p: ShardingProblem) -> tuple[Reduced, dict]:
         np.add.at(extra, b[alive], -(umax[alive] - umin[alive]))
         binding = base + np.cumsum(extra)[:-1] > limit
         t = t[binding]
-        cap = limit - base[binding]
-        rng[:, 0] = np.searchsorted(t, iv[:, 0], "left")
-        rng[:, 1] = np.maximum(rng[:, 0], np.searchsorted(t, iv[:, 1], "left"))
-        mem_rel[:] = (rng[:, 1] > rng[:, 0]) & (umax > umin) & g.alive
+        self.cap = limit - base[binding]
+        self.rng[:, 0] = np.searchsorted(t, iv[:, 0], "left")
+        self.rng[:, 1] = np.maximum(self.rng[:, 0], np.searchsorted(t, iv[:, 1], "left"))
+        self.mem_rel[:] = (self.rng[:, 1] > self.rng[:, 0]) & (umax > umin) & g.alive
 
-    setup_memory()
-
-    stats = {"nodes_before": n, "edges_before": p.num_edges,
-             "strategies_before": int(p.num_strategies().sum())}
-
-    def process(v: int, queue: _Queue) -> None:
-        if not g.alive[v]:
+    def process(self, v: int, queue: _Queue) -> None:
+        """Applies every rule to node `v`; queues the neighbours whose problem changed."""
+        if not self.g.alive[v]:
             return
+        changed = self._edge_rules(v, queue)
+        changed = self._drop_dominated(v) or changed
+        nbrs = list(self.g.adj[v])
+        if self._eliminate(v, nbrs) or changed:
+            queue.extend(nbrs)
+
+    def _edge_rules(self, v: int, queue: _Queue) -> bool:
+        """Drops `v`'s strategies every incident edge forbids and moves separable edges into
+        the node costs; whether anything changed."""
+        g = self.g
         changed = False
-        # Forbidden rows of incident edges.
         ok = g.cost[v] < INFINITE_COST
         separable = []
         for w in g.adj[v]:
@@ -281,41 +290,51 @@ def reduce_problem(p: ShardingProblem) -> tuple[Reduced, dict]:
                 g.remove_edge(v, w)
                 queue.append(w)
                 changed = True
-        # Dominated strategies.
+        return changed
+
+    def _drop_dominated(self, v: int) -> bool:
+        """Drops the strategies of `v` another one dominates (cost, excess usage where memory
+        matters, every incident edge row); whether any was dropped."""
+        g = self.g
         sv = g.cost[v].size
-        if 1 < sv and len(g.adj[v]) <= _DOMINANCE_MAX_DEGREE:
-            cols = [g.cost[v][:, None]]
-            if mem_rel[v]:
-                cols.append(g.use[v][:, None])
-            cols += [g.oriented(v, w) for w in g.adj[v]]
-            nfeat = sum(c.shape[1] for c in cols)
-            if sv * sv * nfeat <= _DOMINANCE_MAX_ENTRIES:
-                dom = _dominated(np.concatenate(cols, axis=1))
-                if dom.any():
-                    g.keep(v, ~dom)
-                    changed = True
-                    if mem_rel[v] and g.use[v].max() == g.use[v].min():
-                        mem_rel[v] = False
-        deg = len(g.adj[v])
-        nbrs = list(g.adj[v])
+        if sv <= 1 or len(g.adj[v]) > _DOMINANCE_MAX_DEGREE:
+            return False
+        cols = [g.cost[v][:, None]]
+        if self.mem_rel[v]:
+            cols.append(g.use[v][:, None])
+        cols += [g.oriented(v, w) for w in g.adj[v]]
+        if sv * sv * sum(c.shape[1] for c in cols) > _DOMINANCE_MAX_ENTRIES:
+            return False
+        dom = _dominated(np.concatenate(cols, axis=1))
+        if not dom.any():
+            return False
+        g.keep(v, ~dom)
+        if self.mem_rel[v] and g.use[v].max() == g.use[v].min():
+            self.mem_rel[v] = False
+        return True
+
+    def _fix(self, v: int, j: int) -> None:
+        """Removes `v` with its strategy at position `j` (no incident edge left)."""
+        g = self.g
+        g.offset += float(g.cost[v][j])
+        g.records.append(("fixed", v, int(g.idx[v][j])))
+        g.alive[v] = False
+        self.mem_rel[v] = False
+
+    def _eliminate(self, v: int, nbrs: list[int]) -> bool:
+        """Eliminates `v` if a rule applies (one strategy; memory-free and isolated, a leaf
+        or a small degree-2 chain node); whether it did."""
+        g = self.g
         if g.cost[v].size == 1:
             for w in nbrs:
                 g.cost[w] = np.minimum(g.cost[w] + g.oriented(w, v)[:, 0], _BIG)
                 g.remove_edge(v, w)
-            g.offset += float(g.cost[v][0])
-            g.records.append(("fixed", v, int(g.idx[v][0])))
-            g.alive[v] = False
-            mem_rel[v] = False
-        elif mem_rel[v]:
-            if changed:
-                queue.extend(nbrs)
-            return
-        elif deg == 0:
-            j = int(np.argmin(g.cost[v]))
-            g.offset += float(g.cost[v][j])
-            g.records.append(("fixed", v, int(g.idx[v][j])))
-            g.alive[v] = False
-        elif deg == 1:
+            self._fix(v, 0)
+        elif self.mem_rel[v]:
+            return False
+        elif not nbrs:
+            self._fix(v, int(np.argmin(g.cost[v])))
+        elif len(nbrs) == 1:
             (u,) = nbrs
             tot = g.oriented(u, v) + g.cost[v][None, :]
             j = np.argmin(tot, axis=1)
@@ -323,9 +342,8 @@ def reduce_problem(p: ShardingProblem) -> tuple[Reduced, dict]:
             g.records.append(("leaf", v, u, g.idx[u].copy(), g.idx[v][j]))
             g.remove_edge(u, v)
             g.alive[v] = False
-        elif deg == 2 and g.cost[nbrs[0]].size * g.cost[nbrs[1]].size * g.cost[v].size <= (
-            _CHAIN_MAX_ENTRIES
-        ):
+        elif len(nbrs) == 2 and (g.cost[nbrs[0]].size * g.cost[nbrs[1]].size * g.cost[v].size
+                                 <= _CHAIN_MAX_ENTRIES):
             u, w = nbrs
             tot = (g.oriented(u, v)[:, :, None] + g.cost[v][None, :, None]
                    + g.oriented(v, w)[None, :, :])
@@ -337,34 +355,40 @@ def reduce_problem(p: ShardingProblem) -> tuple[Reduced, dict]:
             g.add_edge(u, w, np.minimum(best, _BIG))
             g.alive[v] = False
         else:
-            if changed:
-                queue.extend(nbrs)
-            return
-        queue.extend(nbrs)
+            return False
+        return True
 
+    def result(self) -> Reduced:
+        """The problem of the nodes left, as `Reduced`."""
+        g, mem_rel = self.g, self.mem_rel
+        kept = np.flatnonzero(g.alive)
+        pos = np.full(self.p.num_nodes, -1, np.int64)
+        pos[kept] = np.arange(len(kept))
+        edges = [(int(pos[u]), int(pos[v]), r) for u, v, r, _ in g.edges.values()]
+        du = [g.use[v] - g.use[v].min() if mem_rel[v] else np.zeros(g.use[v].size)
+              for v in kept]
+        return Reduced(
+            costs=[g.cost[v] for v in kept], du=du,
+            rng=np.where(mem_rel[kept, None], self.rng[kept], 0), cap=self.cap, edges=edges,
+            offset=g.offset, kept=kept, kept_idx=[g.idx[v] for v in kept], records=g.records,
+            num_orig=self.p.num_nodes)
+
+
+def reduce_problem(p: ShardingProblem) -> tuple[Reduced, dict]:
+    """Applies the exact reductions; returns the reduced problem and size statistics."""
+    r = _Reducer(p)
+    stats = {"nodes_before": p.num_nodes, "edges_before": p.num_edges,
+             "strategies_before": int(p.num_strategies().sum())}
     for _round in range(4):
-        queue = _Queue(range(n))
+        queue = _Queue(range(p.num_nodes))
         while queue:
-            process(queue.pop(), queue)
-        before = int(mem_rel.sum())
-        setup_memory()
-        if int(mem_rel.sum()) == before:
+            r.process(queue.pop(), queue)
+        before = int(r.mem_rel.sum())
+        r.setup_memory()
+        if int(r.mem_rel.sum()) == before:
             break
-
-    kept = np.flatnonzero(g.alive)
-    pos = np.full(n, -1, np.int64)
-    pos[kept] = np.arange(len(kept))
-    edges = [(int(pos[u]), int(pos[v]), r) for u, v, r, _ in g.edges.values()]
-    du = []
-    for v in kept:
-        du.append(g.use[v] - g.use[v].min() if mem_rel[v] else np.zeros(g.use[v].size))
-    rr = np.where(mem_rel[kept, None], rng[kept], 0)
-    red = Reduced(
-        costs=[g.cost[v] for v in kept], du=du, rng=rr, cap=cap, edges=edges,
-        offset=g.offset, kept=kept, kept_idx=[g.idx[v] for v in kept], records=g.records,
-        num_orig=n,
-    )
-    stats.update(nodes_after=len(kept), edges_after=len(edges),
-                 strategies_after=red.num_strategies(), checkpoints=len(cap),
-                 memory_nodes_after=int(mem_rel[kept].sum()))
+    red = r.result()
+    stats.update(nodes_after=len(red.kept), edges_after=len(red.edges),
+                 strategies_after=red.num_strategies(), checkpoints=len(red.cap),
+                 memory_nodes_after=int(r.mem_rel[red.kept].sum()))
     return red, stats
