@@ -5,7 +5,8 @@
 Each row is one real training run: a zoo GPT (or the lent-GPU check's models) at the run's
 batch, sequence length and precision, planned by autopar on the run's cluster preset with the
 run's layout (`Manual3DParallel` at its data/tensor/pipeline degrees and micro-batch count;
-`ShardParallel` on one device for the lent-GPU rows), and the plan's predicted step time (and
+`ShardParallel` on one device for the lent-GPU rows, a one-stage pipeline of k micro-batches
+for the lent-GPU series), and the plan's predicted step time (and
 memory, where the run published it) set against the measured one.  Nothing is compiled or
 run: planning only, on CPU.
 
@@ -14,13 +15,19 @@ efficiency by size and the bandwidth fractions the presets use) holds the calibr
 sources, and no row here comes from them:
 
 * the V100's FP16 point: Megatron-LM's single-GPU run (Shoeybi et al. 2019, §5.1);
-* the H100's and H200's points: the matmul and bandwidth *profile* rows of
-  ``benchmarks/results/gpu-*.md``, whose *train-step* rows are validated here.
+* the H100's points: the matmul and bandwidth *profile* rows of
+  ``benchmarks/results/gpu-NVIDIA-H100-80GB-HBM3.md``, whose *train-step* rows are validated
+  here;
+* the H200's curve: the matmul sweep (*matmul-chain* rows) of
+  ``benchmarks/results/gpu-NVIDIA-H200-series.md`` and the bandwidth rows of
+  ``gpu-NVIDIA-H200.md``; the train steps of both (the micro-batch series and the zoo models)
+  are validated here.
 
 Validation sources (`RUNS`): Alpa's README sanity check (8 x V100-16GB), Alpa's published
 benchmark log ``benchmark/alpa/11-10.txt`` (GPT on 1-4 V100-32GB), Megatron-LM's Table 1
-(Narayanan et al. 2021, A100-80GB, the rows up to 39.1B parameters) and the lent-GPU train
-steps.  Writes ``benchmarks/results/gpu_accuracy.{md,json}``.
+(Narayanan et al. 2021, A100-80GB, the rows up to 39.1B parameters), the lent-GPU train
+steps and the lent H200's micro-batch series (gpt-350m and gpt-125m at batch 32 in 1 to 16
+micro-batches).  Writes ``benchmarks/results/gpu_accuracy.{md,json}``.
 """
 
 from __future__ import annotations
@@ -103,6 +110,10 @@ SOURCES: dict[str, str] = {
     "lent-gpu": ("benchmarks/results/gpu-NVIDIA-H100-80GB-HBM3.md and gpu-NVIDIA-H200.md "
                  "(python -m benchmarks.gpu_check, 2026-11-27): the 'autopar ms' train-step "
                  "column and the compiled memory"),
+    "lent-gpu-series": ("benchmarks/results/gpu-NVIDIA-H200-series.md and "
+                        "gpu-NVIDIA-H200-series-125m.md (python -m benchmarks.gpu_check "
+                        "--series, lent H200, 2026-12-04): a zoo GPT at one batch as a one-stage "
+                        "pipeline in k micro-batches, the 'measured ms' column"),
 }
 
 
@@ -133,6 +144,13 @@ def _lent(kind: str, preset: str, model: str, batch: int, step_ms: float,
           compiled_gib: float) -> Run:
     return Run("lent-gpu", f"{model} batch {batch}, 1 x {kind}", model, batch, preset, None,
                step_ms / 1e3, compiled_gib * GIB, "zoo defaults (the check's own steps)")
+
+
+def _lent_series(model: str, batch: int, micro: int, step_ms: float) -> Run:
+    return Run("lent-gpu-series", f"{model} batch {batch}, 1 x H200-141GB, {micro} "
+               "micro-batches", model, batch, "1xH200-141GB", (1, 1, 1, micro), step_ms / 1e3,
+               None, "zoo defaults; Manual3DParallel(1, 1, 1, k), as the check ran it",
+               series=f"{model} batch {batch} 1xH200-141GB one stage")
 
 
 def _alpa_grid(micro: int, stage_layers: Sequence[Sequence[int]],
@@ -179,6 +197,9 @@ RUNS: tuple[Run, ...] = (
     _lent("H200-141GB", "1xH200-141GB", "gpt-350m", 8, 99.21, 6.95),
     _lent("H200-141GB", "1xH200-141GB", "moe-380m", 8, 43.54, 6.47),
     _lent("H200-141GB", "1xH200-141GB", "wrn-250m", 8, 31.48, 4.29),
+    *(_lent_series("gpt-350m", 32, k, ms) for k, ms in
+      ((1, 389.66), (2, 372.29), (4, 396.78), (8, 452.36), (16, 522.39))),
+    *(_lent_series("gpt-125m", 32, k, ms) for k, ms in ((1, 142.72), (4, 152.04), (16, 211.98))),
 )
 
 
@@ -298,8 +319,13 @@ def markdown(report: Mapping[str, Any]) -> str:
 
 CALIBRATION = (
     "the V100's FP16 point, Megatron-LM's single-GPU run (Shoeybi et al. 2019, §5.1)",
-    "the H100's and H200's matmul (4096³ and 8192³) and elementwise timings, the profile rows "
-    "of benchmarks/results/gpu-*.md (their train-step rows are validation rows here)",
+    "the H100's matmul (4096³ and 8192³) and elementwise timings, the profile rows of "
+    "benchmarks/results/gpu-NVIDIA-H100-80GB-HBM3.md (its train-step rows are validation rows "
+    "here)",
+    "the H200's matmul sweep (matmul-chain rows: transformer-shaped matmuls of 4.3 GFLOP to "
+    "4.4 TFLOP inside one program) of benchmarks/results/gpu-NVIDIA-H200-series.md, and its "
+    "elementwise timings of gpu-NVIDIA-H200.md (the train steps of both files are validation "
+    "rows here)",
     "the rows of cost_model/kernel_efficiency.json, as this run read them",
 )
 NOTES = (

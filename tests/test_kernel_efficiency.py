@@ -4,6 +4,7 @@ its interpolation, the presets built from it, and the time model reading it."""
 import dataclasses
 import json
 import math
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -115,3 +116,26 @@ def test_with_devices_and_hash_keep_curves():
     assert len({spec, ClusterSpec.preset("4x8xH100-80GB")}) == 1
     with pytest.raises(TypeError):
         spec.matmul_efficiency["float16"] = ((1.0, 1.0),)
+
+
+def test_h200_rows_are_the_lent_sweep_they_cite():
+    """Each H200 matmul row is the mean, over the sweep's shapes of its FLOPs, of the
+    matmul-chain rate in the results file it cites, as a fraction of the dense peak; the
+    sweep shows small calls far below large ones, and the preset prices them so."""
+    results = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    report = json.loads((results / "gpu-NVIDIA-H200-series.json").read_text())
+    h200 = ClusterSpec.preset("1xH200-141GB")   # float32 at TF32, XLA's default precision
+    table = efficiency.table()["H200-141GB"].matmul
+    for dtype, points in table.items():
+        assert len(points) >= 5, dtype
+        for p in points:
+            assert "gpu-NVIDIA-H200-series.json" in p.source
+            rates = [r["flops_per_s"] for r in report["profile"]["rows"]
+                     if r["op"] == "matmul-chain" and r["dtype"] == dtype
+                     and 2 * math.prod(r["shape"]) == p.flops]
+            assert rates, (dtype, p.flops)
+            mean = sum(rates) / len(rates)
+            assert p.fraction == pytest.approx(mean / h200.peak_flops_per_s(dtype), abs=1e-4)
+    small, large = 2 * 512 * 1024 * 4096, 2 * 2048 * 4096 * 16384
+    assert (compute.compute_time_s(small, 0, "bfloat16", h200) / small
+            > 2 * compute.compute_time_s(large, 0, "bfloat16", h200) / large)
