@@ -35,20 +35,66 @@ def available() -> bool:
     return importlib.util.find_spec("highspy") is not None
 
 
-def build_model(ls: LocalSearch, region: np.ndarray, whole: bool = False,
-                domains: list[np.ndarray] | None = None):
-    """The sub-MIP of `region` given the rest of ls's state.
+class _SubMip:
+    """The sub-MIP being assembled: column blocks (cost, bounds) and row blocks (sparse
+    triplets, bounds), in the order they are added."""
 
-    Returns (arrays for Highs.passModel, column layout) or None if the region has no
-    choice to make.  With whole=True the region is every node and capacities are ls.cap.
-    domains: per region node, a boolean mask of the strategies it may take (merge.py);
-    its current strategy stays allowed either way.
-    """
-    nreg = len(region)
-    pos = {int(v): i for i, v in enumerate(region)}
+    def __init__(self) -> None:
+        self.cost: list[np.ndarray] = []
+        self.lower: list[np.ndarray] = []
+        self.upper: list[np.ndarray] = []
+        self.rows: list[np.ndarray] = []
+        self.cols: list[np.ndarray] = []
+        self.vals: list[np.ndarray] = []
+        self.rlo: list[np.ndarray] = []
+        self.rhi: list[np.ndarray] = []
+        self.ncol = self.nrow = 0
+
+    def add_columns(self, cost: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
+        """Appends len(cost) columns; their indices."""
+        self.cost.append(cost)
+        self.lower.append(lower)
+        self.upper.append(upper)
+        first = self.ncol
+        self.ncol += len(cost)
+        return first + np.arange(len(cost))
+
+    def add_rows(self, rows: list[np.ndarray], cols: list[np.ndarray], vals: list[np.ndarray],
+                 lo: np.ndarray, hi: np.ndarray) -> None:
+        """Appends len(lo) rows; `rows` counts from the first of them."""
+        self.rows += [self.nrow + r for r in rows]
+        self.cols += cols
+        self.vals += vals
+        self.rlo.append(lo)
+        self.rhi.append(hi)
+        self.nrow += len(lo)
+
+    def arrays(self, nint: int) -> dict:
+        """The model as Highs.passModel's arrays (column-wise), the first `nint` columns
+        integer, the objective scaled by a power of two."""
+        r = np.concatenate(self.rows).astype(np.int64)
+        c = np.concatenate(self.cols).astype(np.int64)
+        val = np.concatenate(self.vals)
+        order = np.lexsort((r, c))
+        r, c, val = r[order], c[order], val[order]
+        integ = np.zeros(self.ncol, np.int32)
+        integ[:nint] = 1
+        cost = np.concatenate(self.cost)
+        cmax = float(np.abs(cost).max()) if self.ncol else 0.0
+        return dict(
+            ncol=self.ncol, nrow=self.nrow, cost=cost / _pow2_scale(cmax, 1e6),
+            lower=np.concatenate(self.lower), upper=np.concatenate(self.upper),
+            rlo=np.concatenate(self.rlo), rhi=np.concatenate(self.rhi),
+            start=np.searchsorted(c, np.arange(self.ncol + 1)).astype(np.int32),
+            index=r.astype(np.int32), value=val, integ=integ)
+
+
+def _region_unary(ls: LocalSearch, region: np.ndarray, pos: dict[int, int], whole: bool,
+                  domains: list[np.ndarray] | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per region node, its cost with the outside neighbours' choices folded in, and the
+    mask of its strategies allowed (nothing outside forbids them, within `domains`)."""
     s = ls.s
-    unary = []
-    allowed = []
+    unary, allowed = [], []
     for i, v in enumerate(region.tolist()):
         t = ls.tot[v].copy()
         fb = ls.forb[v].copy()
@@ -67,26 +113,13 @@ def build_model(ls: LocalSearch, region: np.ndarray, whole: bool = False,
             ok[s[v]] = True  # keep the current choice available (warm start)
         unary.append(t)
         allowed.append(ok)
-    # Columns: x of every node, then e of every internal edge, then U of every segment.
-    xoff = np.zeros(nreg + 1, np.int64)
-    xoff[1:] = np.cumsum([c.size for c in unary])
-    ncol = int(xoff[-1])
-    cost = [np.concatenate(unary)]
-    upper = [np.concatenate(allowed).astype(np.float64)]
-    lower = [np.zeros(ncol)]
-    rows_r: list = []
-    rows_c: list = []
-    rows_v: list = []
-    rlo: list = []
-    rhi: list = []
-    nrow = 0
-    # One-hot rows.
-    rows_r.append(np.repeat(np.arange(nreg), np.diff(xoff)))
-    rows_c.append(np.arange(ncol))
-    rows_v.append(np.ones(ncol))
-    rlo.append(np.ones(nreg))
-    rhi.append(np.ones(nreg))
-    nrow = nreg
+    return unary, allowed
+
+
+def _edge_columns(mip: _SubMip, ls: LocalSearch, region: np.ndarray, pos: dict[int, int],
+                  allowed: list[np.ndarray], xoff: np.ndarray) -> list[tuple]:
+    """One column per allowed strategy pair of every edge inside the region, tied to the
+    two nodes' one-hot columns; per edge (i, k, rows, cols, first column)."""
     edges = []
     for i, v in enumerate(region.tolist()):
         for w, f, b in ls.adj[v]:
@@ -100,94 +133,94 @@ def build_model(ls: LocalSearch, region: np.ndarray, whole: bool = False,
         ii, jj = np.nonzero(ok)
         m = len(ii)
         if m == 0:
-            upper[0][xoff[i]:xoff[i + 1]] = 0.0
+            mip.upper[0][xoff[i]:xoff[i + 1]] = 0.0
             continue
-        cols = ncol + np.arange(m)
-        cost.append(f[ii, jj])
-        lower.append(np.zeros(m))
-        upper.append(np.ones(m))
+        first = mip.ncol
+        cols = mip.add_columns(f[ii, jj], np.zeros(m), np.ones(m))
         # sum_j e_ij - x_ui = 0 for each row i; sum_i e_ij - x_vj = 0 for each column j.
-        rows_r += [nrow + ii, nrow + np.arange(su), nrow + su + jj, nrow + su + np.arange(sv)]
-        rows_c += [cols, xoff[i] + np.arange(su), cols, xoff[k] + np.arange(sv)]
-        rows_v += [np.ones(m), -np.ones(su), np.ones(m), -np.ones(sv)]
-        rlo.append(np.zeros(su + sv))
-        rhi.append(np.zeros(su + sv))
-        e_cols.append((i, k, ii, jj, ncol))
-        nrow += su + sv
-        ncol += m
-    # Memory: running sum U_g over the segments between the region's interval end points.
+        mip.add_rows([ii, np.arange(su), su + jj, su + np.arange(sv)],
+                     [cols, xoff[i] + np.arange(su), cols, xoff[k] + np.arange(sv)],
+                     [np.ones(m), -np.ones(su), np.ones(m), -np.ones(sv)],
+                     np.zeros(su + sv), np.zeros(su + sv))
+        e_cols.append((i, k, ii, jj, first))
+    return e_cols
+
+
+def _memory_columns(mip: _SubMip, ls: LocalSearch, region: np.ndarray, xoff: np.ndarray,
+                    whole: bool) -> int:
+    """The running sum U_g of the region's excess usage over the segments between its
+    interval end points, each capped by the checkpoints' room left (bytes, scaled by a
+    power of two); the number of segments."""
+    s = ls.s
     a = np.array([ls.a[v] for v in region.tolist()], np.int64)
     b = np.array([ls.b[v] for v in region.tolist()], np.int64)
     memn = np.array([ls.mem[v] for v in region.tolist()], bool)
-    nseg = 0
-    if memn.any():
-        am, bm = a[memn], b[memn]
-        pts = np.unique(np.concatenate([am, bm]))
-        lo_k, hi_k = int(pts[0]), int(pts[-1])
-        if whole:
-            resid = ls.cap[lo_k:hi_k].copy()
-        else:
-            contrib = np.zeros(hi_k - lo_k + 1)
-            idx = np.flatnonzero(memn)
-            cur = np.array([ls.du[int(region[j])][s[int(region[j])]] for j in idx])
-            np.add.at(contrib, am - lo_k, cur)
-            np.add.at(contrib, bm - lo_k, -cur)
-            resid = ls.cap[lo_k:hi_k] - ls.use[lo_k:hi_k] + np.cumsum(contrib)[:-1]
-        seg_cap = np.minimum.reduceat(resid, pts[:-1] - lo_k)
-        # Memory rows in units of mscale (a power of two): HiGHS stalls on huge ranges.
-        dmax = max(float(ls.du[int(region[j])].max()) for j in np.flatnonzero(memn))
-        mscale = _pow2_scale(max(dmax, float(np.abs(seg_cap).max())), 1e3)
-        seg_cap = seg_cap / mscale
-        nseg = len(pts) - 1
-        ucol = ncol + np.arange(nseg)
-        cost.append(np.zeros(nseg))
-        lower.append(np.full(nseg, -_INF))
-        upper.append(seg_cap)
-        ncol += nseg
-        # Row g: U_g - U_{g-1} - sum_{enter at g} du.x + sum_{leave at g} du.x = 0.
-        rr = [np.arange(nseg), np.arange(1, nseg)]
-        cc = [ucol, ucol[:-1]]
-        vv = [np.ones(nseg), -np.ones(nseg - 1)]
-        ga = np.searchsorted(pts, am)
-        gb = np.searchsorted(pts, bm)
-        for j, g1, g2 in zip(np.flatnonzero(memn).tolist(), ga.tolist(), gb.tolist()):
-            v = int(region[j])
-            du = ls.du[v]
-            nzi = np.flatnonzero(du)
-            if not len(nzi):
-                continue
-            cols = xoff[j] + nzi
-            rr.append(np.full(len(nzi), g1))
+    if not memn.any():
+        return 0
+    am, bm = a[memn], b[memn]
+    pts = np.unique(np.concatenate([am, bm]))
+    lo_k, hi_k = int(pts[0]), int(pts[-1])
+    if whole:
+        resid = ls.cap[lo_k:hi_k].copy()
+    else:
+        contrib = np.zeros(hi_k - lo_k + 1)
+        idx = np.flatnonzero(memn)
+        cur = np.array([ls.du[int(region[j])][s[int(region[j])]] for j in idx])
+        np.add.at(contrib, am - lo_k, cur)
+        np.add.at(contrib, bm - lo_k, -cur)
+        resid = ls.cap[lo_k:hi_k] - ls.use[lo_k:hi_k] + np.cumsum(contrib)[:-1]
+    seg_cap = np.minimum.reduceat(resid, pts[:-1] - lo_k)
+    # Memory rows in units of mscale (a power of two): HiGHS stalls on huge ranges.
+    dmax = max(float(ls.du[int(region[j])].max()) for j in np.flatnonzero(memn))
+    mscale = _pow2_scale(max(dmax, float(np.abs(seg_cap).max())), 1e3)
+    nseg = len(pts) - 1
+    ucol = mip.add_columns(np.zeros(nseg), np.full(nseg, -_INF), seg_cap / mscale)
+    # Row g: U_g - U_{g-1} - sum_{enter at g} du.x + sum_{leave at g} du.x = 0.
+    rr = [np.arange(nseg), np.arange(1, nseg)]
+    cc = [ucol, ucol[:-1]]
+    vv = [np.ones(nseg), -np.ones(nseg - 1)]
+    ga = np.searchsorted(pts, am)
+    gb = np.searchsorted(pts, bm)
+    for j, g1, g2 in zip(np.flatnonzero(memn).tolist(), ga.tolist(), gb.tolist()):
+        du = ls.du[int(region[j])]
+        nzi = np.flatnonzero(du)
+        if not len(nzi):
+            continue
+        cols = xoff[j] + nzi
+        rr.append(np.full(len(nzi), g1))
+        cc.append(cols)
+        vv.append(-du[nzi] / mscale)
+        if g2 < nseg:
+            rr.append(np.full(len(nzi), g2))
             cc.append(cols)
-            vv.append(-du[nzi] / mscale)
-            if g2 < nseg:
-                rr.append(np.full(len(nzi), g2))
-                cc.append(cols)
-                vv.append(du[nzi] / mscale)
-        rows_r += [nrow + np.concatenate(rr)]
-        rows_c += cc
-        rows_v += vv
-        rlo.append(np.zeros(nseg))
-        rhi.append(np.zeros(nseg))
-        nrow += nseg
-    r = np.concatenate(rows_r).astype(np.int64)
-    c = np.concatenate(rows_c).astype(np.int64)
-    val = np.concatenate(rows_v)
-    order = np.lexsort((r, c))
-    r, c, val = r[order], c[order], val[order]
-    start = np.searchsorted(c, np.arange(ncol + 1)).astype(np.int32)
-    integ = np.zeros(ncol, np.int32)
-    integ[: int(xoff[-1])] = 1
-    cost_all = np.concatenate(cost)
-    cmax = float(np.abs(cost_all).max()) if ncol else 0.0
-    cost_all = cost_all / _pow2_scale(cmax, 1e6)  # objective in units of a power of two
-    model = dict(
-        ncol=ncol, nrow=nrow, cost=cost_all, lower=np.concatenate(lower),
-        upper=np.concatenate(upper), rlo=np.concatenate(rlo), rhi=np.concatenate(rhi),
-        start=start, index=r.astype(np.int32), value=val, integ=integ,
-    )
-    layout = dict(xoff=xoff, edges=e_cols, nseg=nseg)
-    return model, layout
+            vv.append(du[nzi] / mscale)
+    mip.add_rows([np.concatenate(rr)], cc, vv, np.zeros(nseg), np.zeros(nseg))
+    return nseg
+
+
+def build_model(ls: LocalSearch, region: np.ndarray, whole: bool = False,
+                domains: list[np.ndarray] | None = None):
+    """The sub-MIP of `region` given the rest of ls's state.
+
+    Returns (arrays for Highs.passModel, column layout) or None if the region has no
+    choice to make.  With whole=True the region is every node and capacities are ls.cap.
+    domains: per region node, a boolean mask of the strategies it may take (merge.py);
+    its current strategy stays allowed either way.
+    """
+    pos = {int(v): i for i, v in enumerate(region)}
+    unary, allowed = _region_unary(ls, region, pos, whole, domains)
+    # Columns: x of every node, then e of every internal edge, then U of every segment.
+    xoff = np.zeros(len(region) + 1, np.int64)
+    xoff[1:] = np.cumsum([c.size for c in unary])
+    mip = _SubMip()
+    mip.add_columns(np.concatenate(unary), np.zeros(int(xoff[-1])),
+                    np.concatenate(allowed).astype(np.float64))
+    # One-hot rows.
+    mip.add_rows([np.repeat(np.arange(len(region)), np.diff(xoff))], [np.arange(mip.ncol)],
+                 [np.ones(mip.ncol)], np.ones(len(region)), np.ones(len(region)))
+    e_cols = _edge_columns(mip, ls, region, pos, allowed, xoff)
+    nseg = _memory_columns(mip, ls, region, xoff, whole)
+    return mip.arrays(int(xoff[-1])), dict(xoff=xoff, edges=e_cols, nseg=nseg)
 
 
 def _highs(model: dict, time_limit: float, mip: bool, threads: int = 1):
