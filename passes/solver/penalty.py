@@ -224,111 +224,152 @@ def penalty_search(red: Reduced, ls: LocalSearch, pool: WorkerPool, deadline: fl
     feasible answer, with the answers so far cheapest first; what it leaves in `ls` is
     the new best when cheaper (later rounds start from it).
     """
-    hard_deadline = deadline if hard_deadline is None else max(deadline, hard_deadline)
-    levels = levels or pool.size
-    pen = Penalty(red, w0, levels)
-    found: dict = {"best": None, "cost": np.inf}
-    prev: list[np.ndarray | None] = []  # the last round's answers
-    counts = {"penalty_rounds": 0, "penalty_solves": 0, "penalty_feasible": 0,
-              "penalty_repaired": 0, "penalty_recombined": 0}
-    base_key = f"penalty-{id(pen)}"
-    # Answers waiting for the polish: (choice, fits); one over the limit is repaired first.
-    pending: list[tuple[np.ndarray, bool]] = []
+    loop = _PenaltyLoop(red, ls, pool, Penalty(red, w0, levels or pool.size), deadline,
+                        deadline if hard_deadline is None else max(deadline, hard_deadline),
+                        solve_s, seed, log, answers, recombine)
+    return loop.run(on_first_round, final_polish_s)
 
-    def polish(stop: float) -> None:
-        while pending:
-            x, fits = pending.pop(0)
+
+class _PenaltyLoop:
+    """The state of one `penalty_search`: the best feasible answer, the last round's
+    answers, the answers waiting for the polish, and the counters."""
+
+    def __init__(self, red: Reduced, ls: LocalSearch, pool: WorkerPool, pen: Penalty,
+                 deadline: float, hard_deadline: float, solve_s: float, seed: int,
+                 log: list | None, answers: list | None,
+                 recombine: Callable[[LocalSearch, list, float], object] | None) -> None:
+        self.red, self.ls, self.pool, self.pen = red, ls, pool, pen
+        self.deadline, self.hard_deadline = deadline, hard_deadline
+        self.solve_s, self.seed = solve_s, seed
+        self.log, self.answers, self.recombine = log, answers, recombine
+        self.best: np.ndarray | None = None
+        self.cost = np.inf
+        self.prev: list[np.ndarray | None] = []  # the last round's answers
+        self.counts = {"penalty_rounds": 0, "penalty_solves": 0, "penalty_feasible": 0,
+                       "penalty_repaired": 0, "penalty_recombined": 0}
+        self.base_key = f"penalty-{id(pen)}"
+        # Answers waiting for the polish: (choice, fits); one over the limit is repaired
+        # first.
+        self.pending: list[tuple[np.ndarray, bool]] = []
+
+    def run(self, on_first_round: Callable[[float], None] | None,
+            final_polish_s: float) -> tuple[np.ndarray | None, float, dict]:
+        while time.perf_counter() < self.end_time() - 0.5:
+            end = self.end_time()
+            ws = [self.pen.weights(j) for j in range(self.pen.levels)]
+            reqs, warm = self._requests(ws)
+            # toulbar2 stops itself after solve_s seconds of CPU time (a slice that does not
+            # shrink when the machine is busy); the wall clock only guards the end.
+            batch = self.pool.start(reqs)
+            if self.counts["penalty_rounds"] == 0 and on_first_round is not None:
+                on_first_round(min(end, time.perf_counter() + self.solve_s))
+            self.polish(min(end, time.perf_counter() + self.solve_s))
+            if self.recombine is not None and self.best is not None and self.answers:
+                self._recombine(min(end, time.perf_counter() + self.solve_s))
+            replies = self.pool.wait(batch, end)
+            self.counts["penalty_rounds"] += 1
+            xs = [ans.arrays["values"] if ans is not None and "values" in ans.arrays else x0
+                  for ans, x0 in zip(replies, warm)]  # no answer below the bound: x0 stands
+            if any(x is None for x in xs):
+                self.solve_s *= 1.5
+            self.prev = list(xs)
+            self.pen.update(ws, self._take(xs))
+        if self.best is None:
+            self.polish(self.hard_deadline)  # the first feasible answer is worth a late polish
+        else:
+            # The last round's answers are the loop's cheapest as a rule: they get up to
+            # final_polish_s past `deadline`, the cheapest first.
+            self.pending.sort(key=lambda p: self.pen.real_cost(p[0]))
+            self.polish(min(self.hard_deadline,
+                            max(self.deadline, time.perf_counter()) + final_polish_s))
+        return self.best, self.cost, self.counts
+
+    def end_time(self) -> float:
+        return self.deadline if self.best is not None or self.pending else self.hard_deadline
+
+    def _found(self, x: np.ndarray, cost: float, level: int | None) -> None:
+        self.best, self.cost = x, cost
+        if level is not None and self.log is not None:
+            self.log.append((time.perf_counter(), level, True, 0.0, cost))
+
+    def polish(self, stop: float) -> None:
+        """Repairs (when worth it) and descends from the pending answers until `stop`."""
+        ls, pen = self.ls, self.pen
+        while self.pending:
+            x, fits = self.pending.pop(0)
             if not fits:
                 # Worth repairing only if it is cheaper than the best so far before the
                 # repair (which only adds cost) and there is time for it.
-                if time.perf_counter() >= stop or pen.real_cost(x) >= found["cost"]:
+                if time.perf_counter() >= stop or pen.real_cost(x) >= self.cost:
                     continue
                 ls.reset(x)
                 if not repair_memory(ls, stop):
                     continue
-                counts["penalty_repaired"] += 1
-            elif found["best"] is not None and time.perf_counter() >= stop:
+                self.counts["penalty_repaired"] += 1
+            elif self.best is not None and time.perf_counter() >= stop:
                 cost = pen.real_cost(x)  # no time for the local search
-                if cost < found["cost"]:
-                    found["best"], found["cost"] = x, cost
+                if cost < self.cost:
+                    self._found(x, cost, None)
                 continue
             else:
                 ls.reset(x)
-            if ls.cost < found["cost"] * (1 + 1e-3):
+            if ls.cost < self.cost * (1 + 1e-3):
                 ls.full_descent(stop)
-            if ls.cost < found["cost"]:
-                found["best"], found["cost"] = np.array(ls.s, np.int64), float(ls.cost)
-                if log is not None:
-                    log.append((time.perf_counter(), -1, True, 0.0, float(ls.cost)))
+            if ls.cost < self.cost:
+                self._found(np.array(ls.s, np.int64), float(ls.cost), -1)
 
-    def end_time() -> float:
-        return deadline if found["best"] is not None or pending else hard_deadline
-
-    while time.perf_counter() < end_time() - 0.5:
-        end = end_time()
-        ws = [pen.weights(j) for j in range(levels)]
+    def _requests(self, ws: list[np.ndarray]) -> tuple[list[Request], list]:
+        """One toulbar2 request per weight level, warm-started from the best of the last
+        round's answers and the best feasible one; and each level's warm start."""
         reqs, warm = [], []
         for w in ws:
-            unary, _ = pen.unary(w)
+            unary, _ = self.pen.unary(w)
             arrays = {"unary": unary}
-            starts = [x for x in (*prev, found["best"]) if x is not None]
-            meta = {"time_limit_s": int(max(1, round(solve_s))), "lds": 4, "seed": seed + 1}
-            x0, ub = pen.warm_start(unary, starts)
+            starts = [x for x in (*self.prev, self.best) if x is not None]
+            meta = {"time_limit_s": int(max(1, round(self.solve_s))), "lds": 4,
+                    "seed": self.seed + 1}
+            x0, ub = self.pen.warm_start(unary, starts)
             if x0 is not None:
                 arrays["best"] = x0
             if ub is not None:
                 meta["ub"] = ub
             warm.append(x0)
-            reqs.append(Request(arrays, meta, base=base_key, base_arrays=pen.edge_arrays))
-        # toulbar2 stops itself after solve_s seconds of CPU time (a slice that does not
-        # shrink when the machine is busy); the wall clock only guards the end.
-        batch = pool.start(reqs)
-        if counts["penalty_rounds"] == 0 and on_first_round is not None:
-            on_first_round(min(end, time.perf_counter() + solve_s))
-        polish(min(end, time.perf_counter() + solve_s))
-        if recombine is not None and found["best"] is not None and answers:
-            ls.reset(found["best"])
-            recombine(ls, [z for _c, z in sorted(answers, key=lambda a: a[0])],
-                      min(end, time.perf_counter() + solve_s))
-            counts["penalty_recombined"] += 1
-            if ls.cost < found["cost"]:
-                found["best"], found["cost"] = np.array(ls.s, np.int64), float(ls.cost)
-                if log is not None:
-                    log.append((time.perf_counter(), -2, True, 0.0, float(ls.cost)))
-        replies = pool.wait(batch, end)
-        counts["penalty_rounds"] += 1
-        xs = [ans.arrays["values"] if ans is not None and "values" in ans.arrays else x0
-              for ans, x0 in zip(replies, warm)]  # no answer below the bound: x0 stands
-        if any(x is None for x in xs):
-            solve_s *= 1.5
+            reqs.append(Request(arrays, meta, base=self.base_key,
+                                base_arrays=self.pen.edge_arrays))
+        return reqs, warm
+
+    def _recombine(self, stop: float) -> None:
+        """Recombines the answers so far (cheapest first) around the best feasible one."""
+        self.ls.reset(self.best)
+        self.recombine(self.ls, [z for _c, z in sorted(self.answers, key=lambda a: a[0])],
+                       stop)
+        self.counts["penalty_recombined"] += 1
+        if self.ls.cost < self.cost:
+            self._found(np.array(self.ls.s, np.int64), float(self.ls.cost), -2)
+
+    def _take(self, xs: list[np.ndarray | None]) -> list[np.ndarray | None]:
+        """Counts, logs and queues a round's answers; per level, the nodes whose live range
+        overflowed (None where the level gave no answer)."""
+        pen = self.pen
         broken: list[np.ndarray | None] = []
-        prev = list(xs)
         for j, x in enumerate(xs):
             if x is None:
                 broken.append(None)
                 continue
-            counts["penalty_solves"] += 1
-            over = pen.usage(x) - red.cap
+            self.counts["penalty_solves"] += 1
+            over = pen.usage(x) - self.red.cap
             br = pen.node_overflow(over)
             broken.append(br)
             allowed = pen.allowed(x)
             ok = not br.any() and bool(np.all(over <= 1e-9)) and allowed
-            if log is not None:
-                log.append((time.perf_counter(), j, ok, float(over.max()) if len(over) else 0.0,
-                            pen.real_cost(x)))
+            if self.log is not None:
+                self.log.append((time.perf_counter(), j, ok,
+                                 float(over.max()) if len(over) else 0.0, pen.real_cost(x)))
             if ok:
-                counts["penalty_feasible"] += 1
-                pending.append((x, True))
+                self.counts["penalty_feasible"] += 1
+                self.pending.append((x, True))
             elif allowed:
-                pending.append((x, False))
-            if answers is not None and allowed:
-                answers.append((pen.real_cost(x), x))
-        pen.update(ws, broken)
-    if found["best"] is None:
-        polish(hard_deadline)  # the first feasible answer is worth a late polish
-    else:
-        # The last round's answers are the loop's cheapest as a rule: they get up to
-        # final_polish_s past `deadline`, the cheapest first.
-        pending.sort(key=lambda p: pen.real_cost(p[0]))
-        polish(min(hard_deadline, max(deadline, time.perf_counter()) + final_polish_s))
-    return found["best"], found["cost"], counts
+                self.pending.append((x, False))
+            if self.answers is not None and allowed:
+                self.answers.append((pen.real_cost(x), x))
+        return broken
