@@ -184,13 +184,10 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
     per_micro_inputs = {fb.invars[k] for k, vid in enumerate(f_ids) if vid not in params}
     grad_outs = [op for op, vid in zip(fb.outvars[len(fb.outvars) - len(fn.diff_ids):],
                                        fn.diff_ids) if vid in params and isinstance(op, int)]
-    scale = ({i: 1.0 / num_micro_batches for i in _gradient_matmuls(fb, grad_outs)}
-             if num_micro_batches > 1 and fn.diff_ids else {})
-    # Each micro-batch's parameter gradients are added into the stage's accumulators at
-    # their layout (unreduced: a data-parallel layout adds whole gradients on every device).
-    traffic = {vid: ACCUMULATE_TRAFFIC for vid in grad_outs}
-    param_inputs = [(fb.invars[k], graph.values[vid]) for k, vid in enumerate(f_ids)
-                    if vid in params] if update is not None or lean or memory_price else []
+    scale, traffic = _accumulation(fb, grad_outs, num_micro_batches)
+    param_fvs = [(fb.invars[k], graph.values[vid]) for k, vid in enumerate(f_ids)
+                 if vid in params]   # (FB input, the parameter's graph value)
+    param_inputs = param_fvs if update is not None or lean or memory_price else []
     batch_led = _batch_led(fb, f_ids, params, batch_size) \
         if forced_batch_axis and batch_size else {}
     pending = []
@@ -198,18 +195,11 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
     penalties: dict[tuple[int, ...], list[tuple[int, Callable[[Spec], float]]]] = {}
     for shape in shapes or logical_shapes(submesh):
         mesh = MeshContext.build(shape, sub)
-        lean_costs = {fv: _lean_penalty(value.shape, mesh)
-                      for fv, value in param_inputs} if lean else {}
-        updates = {fv: _param_cost(update, lean_costs.get(fv), value.shape, value.nbytes, mesh,
-                                   num_micro_batches, memory_price)
-                   for fv, value in param_inputs}
-        # The data-parallel axis is the only one the batch is split over, so a (dp, tp)
-        # stage is tensor-parallel over tp, not data-parallel over dp x tp.
-        held = batch_axis_only(batch_led, mesh.axes[0]) if batch_led else {}
-        penalties[shape] = [*lean_costs.items(), *held.items()]
         if neighbours:
             charges[shape] = _neighbour_costs(layer, position, graph, neighbours, mesh)
-        updates = _summed(_summed(updates, held), charges.get(shape, {}))
+        updates, penalties[shape] = _value_costs(
+            mesh, param_inputs, update, lean, num_micro_batches, memory_price, batch_led,
+            charges.get(shape, {}))
         forced = _forced_inputs(layer, f_ids, mesh, input_rule,
                                 batch_size if forced_batch_axis else None)
         pending.append((shape, mesh, updates, intra_op.start(
@@ -217,12 +207,10 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
             time_limit_s=time_limit_s, comm_scale=scale, traffic=traffic,
             value_costs=updates, submit=submit, retry_time_limit_s=retry_time_limit_s,
             builds=builds)))
-
     # The parameters' own work is priced apart from its update only without other charges
     # on their layouts (`_fixed_floor_s`), with the updates priced on the same mesh.
     plain = not (lean or memory_price or neighbours or batch_led)
-    param_ids = {fb.invars[k] for k, vid in enumerate(f_ids) if vid in params} if plain \
-        else set()
+    param_ids = {fv for fv, _ in param_fvs} if plain else set()
 
     def priced(shape: tuple[int, ...], mesh: MeshContext, updates, run) -> LayerCost:
         p = _priced(graph, program, layer, position, per_micro_inputs, mesh, answer(
@@ -236,6 +224,40 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
 
     return lambda: {shape: priced(shape, mesh, updates, run)
                     for shape, mesh, updates, run in pending}
+
+
+def _accumulation(fb: Graph, grad_outs: Sequence[int], num_micro_batches: int,
+                  ) -> tuple[dict[int, float], dict[int, float]]:
+    """Gradient accumulation as the layer ILP sees it: the communication scale (1/B) of the
+    matmuls producing parameter gradients, which are reduced once per step, and the
+    traffic of adding each micro-batch's gradients (FB outputs `grad_outs`) into the
+    stage's accumulators at their layout (unreduced: a data-parallel layout adds whole
+    gradients on every device)."""
+    scale = ({i: 1.0 / num_micro_batches for i in _gradient_matmuls(fb, grad_outs)}
+             if num_micro_batches > 1 and grad_outs else {})
+    return scale, {vid: ACCUMULATE_TRAFFIC for vid in grad_outs}
+
+
+def _value_costs(mesh: MeshContext, param_inputs: Sequence[tuple[int, Any]],
+                 update: StateSplit | None, lean: bool, num_micro_batches: int,
+                 memory_price: float, batch_led: Mapping[int, tuple[int, ...]],
+                 neighbour_charges: Mapping[int, Callable[[Spec], float]],
+                 ) -> tuple[dict[int, Callable[[Spec], float]],
+                            list[tuple[int, Callable[[Spec], float]]]]:
+    """The per-layout costs (seconds) the layer ILP adds on `mesh` to FB values: each
+    parameter input's update, lean penalty and held bytes (`_param_cost`), the batch-axis
+    penalty of batch-led values and the neighbour charges; and the penalties among them,
+    which the priced layer gives back (`_uncharged`)."""
+    lean_costs = {fv: _lean_penalty(value.shape, mesh)
+                  for fv, value in param_inputs} if lean else {}
+    updates = {fv: _param_cost(update, lean_costs.get(fv), value.shape, value.nbytes, mesh,
+                               num_micro_batches, memory_price)
+               for fv, value in param_inputs}
+    # The data-parallel axis is the only one the batch is split over, so a (dp, tp)
+    # stage is tensor-parallel over tp, not data-parallel over dp x tp.
+    held = batch_axis_only(batch_led, mesh.axes[0]) if batch_led else {}
+    return (_summed(_summed(updates, held), neighbour_charges),
+            [*lean_costs.items(), *held.items()])
 
 
 def _batch_led(fb: Graph, f_ids: Sequence[int], params: set[int],
