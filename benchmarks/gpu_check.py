@@ -29,7 +29,9 @@ checks against ``cpu-local``, which is how its code is tested):
 The profile's matmul efficiency sweep (`autopar.cost_model.matmul_sweep`: transformer-shaped
 matmuls timed in chains inside one program) is reported per shape with its fraction of the
 preset's dense peak: the rows the kernel efficiency table (cost_model/kernel_efficiency.json)
-takes for this device kind.
+takes for this device kind; so is its convolution sweep (`autopar.cost_model.conv_sweep`:
+training passes through two 3x3 convolutions, the table's ``conv`` rows).  ``--sweeps``
+chooses which of the two run (``--sweeps conv``: only the convolutions).
 
 Writes ``<out>/gpu-<device kind>[-<tag>].{md,json}`` (default benchmarks/results), the JSON after
 every model, so a run cut short keeps what it measured.  A model that fails is reported
@@ -51,7 +53,7 @@ import jax
 import jax.numpy as jnp
 
 import autopar
-from autopar.cost_model import ClusterSpec, hlo_audit, matmul_sweep
+from autopar.cost_model import ClusterSpec, conv_sweep, hlo_audit, matmul_sweep
 from autopar.cost_model.devices import DEVICE_KINDS
 from autopar.cost_model.jsonio import write_json_atomic
 from autopar.cost_model.profiler import _median_time, profile
@@ -102,12 +104,20 @@ def _highest_f32_matmul(device, m: int, repeats: int) -> float:
     return 2.0 * m**3 / _median_time(fn, x, repeats)
 
 
-def profile_rows(device, preset: ClusterSpec, quick: bool) -> dict[str, Any]:
-    """Measured peak FLOP/s per dtype and bandwidth beside the preset's figures."""
+SWEEPS = {"matmul": matmul_sweep, "conv": conv_sweep}
+"""The efficiency sweeps `--sweeps` chooses from, by name."""
+
+
+def profile_rows(device, preset: ClusterSpec, quick: bool,
+                 sweeps: tuple[str, ...] = tuple(SWEEPS)) -> dict[str, Any]:
+    """Measured peak FLOP/s per dtype and bandwidth beside the preset's figures, and the
+    efficiency sweeps named in `sweeps` (their quick shapes when `quick`)."""
     sizes = (256,) if quick else MATMUL_SIZES
     stream = (2**22,) if quick else ELEMENTWISE_BYTES
+    shapes = {name: ((mod.QUICK_SHAPES if quick else mod.GPU_SHAPES) if name in sweeps else ())
+              for name, mod in SWEEPS.items()}
     result = profile([device], dtypes=DTYPES, matmul_sizes=sizes, elementwise_bytes=stream,
-                     matmul_shapes=matmul_sweep.QUICK_SHAPES if quick else None,
+                     matmul_shapes=shapes["matmul"], conv_shapes=shapes["conv"],
                      repeats=5 if quick else 20)
     rows = []
     for dtype in DTYPES:
@@ -276,7 +286,9 @@ def markdown(report: dict[str, Any]) -> str:
                          f"| {s['measured'] / s['preset']:.2f} |")
         lines += ["", "Matmul rows: one jitted call each (dispatch and sync included); "
                   "matmul-chain rows: one matmul of a chain inside one program (difference of "
-                  "two chain lengths, no dispatch), the rows of the efficiency table.", "",
+                  "two chain lengths, no dispatch), conv-chain rows: one convolution call of a "
+                  "training pass through two 3x3 convolutions (shape: images, side, channels, "
+                  "width), the rows of the efficiency table.", "",
                   "| op | dtype | shape | ms | TFLOP/s | GB/s | of datasheet peak |",
                   "|---|---|---|---:|---:|---:|---:|"]
         for r in prof["rows"]:
@@ -284,7 +296,7 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {r['op']} | {r['dtype']} | {'x'.join(map(str, r['shape']))} | "
                          f"{r['seconds'] * 1e3:.3f} | {_fmt(r['flops_per_s'], 1e12, 2)} | "
                          f"{_fmt(r['bytes_per_s'], 1e9)} | "
-                         f"{'—' if frac is None or 'matmul' not in r['op'] else f'{frac:.3f}'} |")
+                         f"{'—' if frac is None or r['op'] == 'elementwise' else f'{frac:.3f}'} |")
         lines.append("")
     models = report.get("models", [])
     if models:
@@ -371,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS, help="results folder")
     ap.add_argument("--quick", action="store_true", help="small profile sizes (for tests)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profile section")
+    ap.add_argument("--sweeps", default=",".join(SWEEPS),
+                    help=f"efficiency sweeps of the profile, comma-separated from "
+                         f"{list(SWEEPS)} (default all; empty: none)")
     ap.add_argument("--tag", default="",
                     help="suffix of the results files' name (default: the device kind only)")
     ap.add_argument("--series", default="",
@@ -381,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     models = parse_models(args.models)
     series = parse_models(args.series)
     counts = parse_counts(args.micro_batches, [b for _, b in series])
+    sweeps = tuple(filter(None, (s.strip() for s in args.sweeps.split(","))))
+    if set(sweeps) - set(SWEEPS):
+        ap.error(f"--sweeps {args.sweeps!r}: choose from {list(SWEEPS)}")
     device = jax.devices()[0]
     preset = ClusterSpec.from_devices([device])
     report: dict[str, Any] = {"environment": {
@@ -391,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     measured = preset
     if not args.no_profile:
         t0 = time.perf_counter()
-        prof = profile_rows(device, preset, args.quick)
+        prof = profile_rows(device, preset, args.quick, sweeps)
         measured = prof.pop("cluster")
         # The profiled cluster as `ClusterSpec.load` reads it: plans can be re-priced on it.
         report["profile"] = {**prof, "cluster": measured.to_json(),

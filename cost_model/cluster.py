@@ -109,6 +109,10 @@ class _FrozenFloats(_Frozen):
         return float(value)
 
 
+_CURVE_FIELDS = ("matmul_efficiency", "conv_efficiency")
+"""ClusterSpec's optional per-dtype efficiency curves, by kind of call."""
+
+
 class _FrozenCurves(_Frozen):
     """``dtype -> efficiency curve`` (`efficiency.Curve`, checked and sorted)."""
 
@@ -165,6 +169,8 @@ class ClusterSpec:
       matmul_efficiency: per dtype name, points ``(FLOPs of one call on one device, fraction
         of peak_flops)`` that `compute.flop_fraction` interpolates (log FLOPs, clamped);
         empty: every call at the full ``peak_flops``. Stored read-only and sorted.
+      conv_efficiency: the same for convolution calls (``conv_general_dilated``); a dtype
+        without a curve here prices its convolutions on ``matmul_efficiency``.
     """
 
     name: str
@@ -177,6 +183,8 @@ class ClusterSpec:
     intra_host: Link
     inter_host: Link
     matmul_efficiency: Mapping[str, _efficiency.Curve] = dataclasses.field(
+        default_factory=dict)
+    conv_efficiency: Mapping[str, _efficiency.Curve] = dataclasses.field(
         default_factory=dict)
 
     def __post_init__(self):
@@ -205,10 +213,11 @@ class ClusterSpec:
             value = getattr(self, field)
             if not isinstance(value, Link):
                 raise ValueError(f"ClusterSpec.{field} must be a Link, got {value!r}")
-        if not isinstance(self.matmul_efficiency, Mapping):
-            raise ValueError(f"ClusterSpec.matmul_efficiency must be a mapping, got "
-                             f"{self.matmul_efficiency!r}")
-        object.__setattr__(self, "matmul_efficiency", _FrozenCurves(self.matmul_efficiency))
+        for field in _CURVE_FIELDS:
+            value = getattr(self, field)
+            if not isinstance(value, Mapping):
+                raise ValueError(f"ClusterSpec.{field} must be a mapping, got {value!r}")
+            object.__setattr__(self, field, _FrozenCurves(value))
 
     def __hash__(self) -> int:
         return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
@@ -274,8 +283,10 @@ class ClusterSpec:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict with a ``"format_version"``; inverse of :meth:`from_json`
-        (``"matmul_efficiency"`` only when the spec has curves)."""
-        curves = {d: [list(p) for p in c] for d, c in self.matmul_efficiency.items()}
+        (``"matmul_efficiency"`` and ``"conv_efficiency"`` only when the spec has such
+        curves)."""
+        curves = {field: {d: [list(p) for p in c] for d, c in getattr(self, field).items()}
+                  for field in _CURVE_FIELDS}
         return {
             "format_version": FORMAT_VERSION,
             "name": self.name,
@@ -287,7 +298,7 @@ class ClusterSpec:
             "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
             "intra_host": dataclasses.asdict(self.intra_host),
             "inter_host": dataclasses.asdict(self.inter_host),
-            **({"matmul_efficiency": curves} if curves else {}),
+            **{field: c for field, c in curves.items() if c},
         }
 
     @classmethod
@@ -306,7 +317,7 @@ class ClusterSpec:
         unknown = sorted(set(d) - fields - {"format_version"})
         if unknown:
             raise ValueError(f"unknown field(s) {unknown}; expected {sorted(fields)}")
-        missing = sorted(fields - set(d) - {"matmul_efficiency"})  # optional
+        missing = sorted(fields - set(d) - set(_CURVE_FIELDS))  # optional
         if missing:
             raise ValueError(f"missing field(s) {missing}")
         _check_type(d, "name", str)
@@ -329,9 +340,10 @@ class ClusterSpec:
             for key in ("alpha_s", "beta_s_per_byte"):
                 _check_type(d[field], key, float, where=f"{field}.")
             links[field] = Link(**d[field])
-        curves = d.get("matmul_efficiency", {})
-        if not isinstance(curves, Mapping):
-            raise ValueError(f"field 'matmul_efficiency': expected an object, got {curves!r}")
+        curves = {field: d.get(field, {}) for field in _CURVE_FIELDS}
+        for field, value in curves.items():
+            if not isinstance(value, Mapping):
+                raise ValueError(f"field {field!r}: expected an object, got {value!r}")
         try:
             return cls(
                 name=d["name"],
@@ -341,7 +353,7 @@ class ClusterSpec:
                 peak_flops=d["peak_flops"],
                 memory_bytes=d["memory_bytes"],
                 memory_bandwidth_bytes_per_s=d["memory_bandwidth_bytes_per_s"],
-                matmul_efficiency=curves,
+                **curves,
                 **links,
             )
         except ValueError as e:
@@ -533,6 +545,7 @@ def _gpu_cluster(kind: _devices.DeviceKind, num_hosts: int, devices_per_host: in
         intra_host=Link(kind.intra_host_alpha_s, 1.0 / intra_bw),
         inter_host=Link(kind.inter_host_alpha_s, 1.0 / inter_bw),
         matmul_efficiency=curves,
+        conv_efficiency=measured.conv_curves() if measured else {},
     )
 
 

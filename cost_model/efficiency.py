@@ -53,15 +53,27 @@ class KindEfficiency:
       matmul: per dtype name, the points sorted by ``flops``.
       bandwidth_fraction: achieved / datasheet memory bandwidth of a streaming kernel.
       bandwidth_source: where ``bandwidth_fraction`` comes from.
+      conv: per dtype name, the points of convolution calls (``conv_general_dilated``:
+        forward, input and kernel gradients alike); dtypes without them price convolutions
+        on ``matmul``.
     """
 
     matmul: Mapping[str, tuple[Point, ...]]
     bandwidth_fraction: float
     bandwidth_source: str
+    conv: Mapping[str, tuple[Point, ...]] = dataclasses.field(default_factory=dict)
 
     def curves(self) -> dict[str, Curve]:
-        """Per dtype, the ``(flops, fraction)`` pairs (what a ClusterSpec carries)."""
-        return {d: tuple((p.flops, p.fraction) for p in pts) for d, pts in self.matmul.items()}
+        """Per dtype, the matmul ``(flops, fraction)`` pairs (what a ClusterSpec carries)."""
+        return _pairs(self.matmul)
+
+    def conv_curves(self) -> dict[str, Curve]:
+        """Per dtype, the convolution ``(flops, fraction)`` pairs."""
+        return _pairs(self.conv)
+
+
+def _pairs(points: Mapping[str, tuple[Point, ...]]) -> dict[str, Curve]:
+    return {d: tuple((p.flops, p.fraction) for p in pts) for d, pts in points.items()}
 
 
 def check_curve(dtype: str, curve: Sequence[Sequence[float]]) -> Curve:
@@ -109,14 +121,26 @@ def parse(data: Mapping[str, Any]) -> dict[str, KindEfficiency]:
         if not 0 < frac <= 1:
             raise ValueError(f"kernel efficiency table, {kind}: bandwidth fraction must be in "
                              f"(0, 1], got {frac!r}")
-        matmul = {}
-        for dtype, rows in entry["matmul"].items():
-            check_curve(f"{kind}/{dtype}", [(r["flops"], r["fraction"]) for r in rows])
-            matmul[dtype] = tuple(sorted((Point(float(r["flops"]), float(r["fraction"]),
-                                                str(r["source"])) for r in rows),
-                                         key=lambda p: p.flops))
-        kinds[kind] = KindEfficiency(matmul, frac, str(bandwidth["source"]))
+        matmul = _points(kind, "matmul", entry["matmul"])
+        conv = _points(kind, "conv", entry.get("conv", {}))
+        if set(conv) - set(matmul):
+            # A fraction is of the datasheet peak only for dtypes with matmul rows (the
+            # others run at devices.py's fixed fraction), so conv rows need matmul rows.
+            raise ValueError(f"kernel efficiency table, {kind}: conv rows for "
+                             f"{sorted(set(conv) - set(matmul))} without matmul rows")
+        kinds[kind] = KindEfficiency(matmul, frac, str(bandwidth["source"]), conv)
     return kinds
+
+
+def _points(kind: str, op: str, table: Mapping[str, Any]) -> dict[str, tuple[Point, ...]]:
+    """Per dtype, the rows of one operation of one kind as sorted points (checked)."""
+    out = {}
+    for dtype, rows in table.items():
+        check_curve(f"{kind}/{op}/{dtype}", [(r["flops"], r["fraction"]) for r in rows])
+        out[dtype] = tuple(sorted((Point(float(r["flops"]), float(r["fraction"]),
+                                         str(r["source"])) for r in rows),
+                                  key=lambda p: p.flops))
+    return out
 
 
 @functools.lru_cache(maxsize=1)

@@ -103,9 +103,15 @@ def curves(samples: Sequence[Mapping[str, Any]],
 
     Dtypes without a peak in `peaks` are skipped.
     """
+    return op_curves(samples, peaks, "matmul-chain")
+
+
+def op_curves(samples: Sequence[Mapping[str, Any]], peaks: Mapping[str, float],
+              op: str) -> dict[str, tuple[tuple[float, float], ...]]:
+    """`curves` of the samples whose ``op`` is `op` (``matmul-chain``, ``conv-chain``)."""
     by_dtype: dict[str, dict[float, list[float]]] = {}
     for s in samples:
-        if s["op"] == "matmul-chain" and s["dtype"] in peaks:
+        if s["op"] == op and s["dtype"] in peaks:
             by_dtype.setdefault(s["dtype"], {}).setdefault(float(s["flops"]), []).append(
                 s["flops_per_s"] / peaks[s["dtype"]])
     return {d: tuple(sorted((f, min(1.0, sum(v) / len(v))) for f, v in pts.items()))

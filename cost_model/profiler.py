@@ -18,7 +18,9 @@ ended by ``block_until_ready``; dispatch overhead is part of the figure and ends
   matmuls timed as chains inside one program (`matmul_sweep`: no per-call dispatch in the
   figure); the profiled cluster's ``matmul_efficiency`` curve per dtype is each size's rate
   over the best rate measured, so the planner prices a small micro-batch's matmuls slower
-  than a large one's, as the device runs them.
+  than a large one's, as the device runs them.  Likewise for convolutions (``conv_shapes``,
+  `conv_sweep`: a training pass through two 3x3 convolutions, forward and both gradients),
+  the cluster's ``conv_efficiency``.
 
 Fits: for every (collective, mesh shape, axis), least squares of ``time = α + factor(n)·S·β``
 with rows weighted by 1/time, i.e. minimizing *relative* error, so the latency-bound small
@@ -59,7 +61,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import matmul_sweep
+from . import conv_sweep, matmul_sweep
 from .cluster import Backend, ClusterSpec, Link
 from .collectives import lowered_kind
 from .jsonio import write_json_atomic
@@ -174,6 +176,7 @@ def profile(
     matmul_sizes: Sequence[int] | None = None,
     elementwise_bytes: Sequence[int] | None = None,
     matmul_shapes: Sequence[Sequence[int]] | None = None,
+    conv_shapes: Sequence[Sequence[int]] | None = None,
     progress: Progress | None = None,
 ) -> ProfileResult:
     """Measures ``devices`` (default ``jax.devices()``) and fits a :class:`ClusterSpec`.
@@ -192,6 +195,8 @@ def profile(
       elementwise_bytes: per-device buffer sizes of the elementwise measurement.
       matmul_shapes: ``(m, k, n)`` shapes of the efficiency sweep (`matmul_sweep`); default
         ``matmul_sweep.GPU_SHAPES`` on a GPU, none elsewhere; ``()`` skips it.
+      conv_shapes: ``(n, side, c, w)`` shapes of the convolution sweep (`conv_sweep`);
+        default ``conv_sweep.GPU_SHAPES`` on a GPU, none elsewhere; ``()`` skips it.
       progress: ``progress(done, total, label)`` callback.
 
     Raises:
@@ -210,17 +215,22 @@ def profile(
     if matmul_shapes is None:
         matmul_shapes = matmul_sweep.GPU_SHAPES if devices[0].platform == "gpu" else ()
     matmul_shapes = [tuple(int(v) for v in shape) for shape in matmul_shapes]
-    _check_settings(n_dev, sizes, repeats, mesh_shapes, collectives, matmul_shapes)
+    if conv_shapes is None:
+        conv_shapes = conv_sweep.GPU_SHAPES if devices[0].platform == "gpu" else ()
+    conv_shapes = [tuple(int(v) for v in shape) for shape in conv_shapes]
+    _check_settings(n_dev, sizes, repeats, mesh_shapes, collectives, matmul_shapes,
+                    conv_shapes)
 
     base = _base_cluster(devices)
     groups = [(kind, shape, axis) for shape in mesh_shapes for axis, n in enumerate(shape)
               if n > 1 for kind in collectives]
     ticker = _Ticker(progress, len(groups) * len(sizes) + len(dtypes) * (
-        len(matmul_sizes) + len(elementwise_bytes) + len(matmul_shapes)))
+        len(matmul_sizes) + len(elementwise_bytes) + len(matmul_shapes) + len(conv_shapes)))
     meshes = {shape: _mesh(devices, shape) for shape in mesh_shapes}
     samples = _measure_collectives(groups, meshes, sizes, repeats, ticker)
     compute_samples = _measure_compute(_mesh(devices, (n_dev,)), dtypes, matmul_sizes,
-                                       elementwise_bytes, matmul_shapes, repeats, ticker)
+                                       elementwise_bytes, matmul_shapes, conv_shapes,
+                                       repeats, ticker)
     ticker.at("done")
 
     fits = _fit_groups(samples)
@@ -240,11 +250,15 @@ def profile(
 
 def _check_settings(n_dev: int, sizes: Sequence[int], repeats: int,
                     mesh_shapes: Sequence[tuple[int, ...]], collectives: Sequence[str],
-                    matmul_shapes: Sequence[tuple[int, ...]]) -> None:
+                    matmul_shapes: Sequence[tuple[int, ...]],
+                    conv_shapes: Sequence[tuple[int, ...]] = ()) -> None:
     """Raises ValueError for settings `profile` cannot measure."""
     if any(len(shape) != 3 or min(shape) < 1 for shape in matmul_shapes):
         raise ValueError(f"matmul_shapes must be (m, k, n) triples of positive integers, "
                          f"got {list(matmul_shapes)}")
+    if any(len(shape) != 4 or min(shape) < 1 for shape in conv_shapes):
+        raise ValueError(f"conv_shapes must be (n, side, c, w) tuples of positive integers, "
+                         f"got {list(conv_shapes)}")
     unknown = sorted(set(collectives) - set(COLLECTIVES))
     if unknown:
         raise ValueError(f"unknown collective(s) {unknown}; valid: {list(COLLECTIVES)}")
@@ -284,9 +298,11 @@ def _measure_collectives(groups: Sequence[tuple[str, tuple[int, ...], int]],
 
 def _measure_compute(flat: Any, dtypes: Sequence[str], matmul_sizes: Sequence[int],
                      elementwise_bytes: Sequence[int],
-                     matmul_shapes: Sequence[tuple[int, ...]], repeats: int,
+                     matmul_shapes: Sequence[tuple[int, ...]],
+                     conv_shapes: Sequence[tuple[int, ...]], repeats: int,
                      ticker: _Ticker) -> list[dict]:
-    """Matmul, elementwise and matmul-chain samples on the flat mesh `flat`, per dtype."""
+    """Matmul, elementwise, matmul-chain and conv-chain samples on the flat mesh `flat`,
+    per dtype."""
     samples = []
 
     def run(label: str, measure: Callable[..., dict], *args: Any) -> None:
@@ -302,6 +318,9 @@ def _measure_compute(flat: Any, dtypes: Sequence[str], matmul_sizes: Sequence[in
                 repeats)
         for shape in matmul_shapes:
             run(f"matmul chain {dtype} {'x'.join(map(str, shape))}", matmul_sweep.time_shape,
+                flat, dtype, shape, repeats, _interleaved_medians)
+        for shape in conv_shapes:
+            run(f"conv chain {dtype} {'x'.join(map(str, shape))}", conv_sweep.time_shape,
                 flat, dtype, shape, repeats, _interleaved_medians)
     return samples
 
@@ -374,6 +393,9 @@ def _fit_cluster(base: ClusterSpec, samples, compute_samples):
     curves = {d: c for d, c in base.matmul_efficiency.items()
               if d not in {m["dtype"] for m in matmuls}}
     curves.update(matmul_sweep.curves(compute_samples, peak))
+    conv_curves = {d: c for d, c in base.conv_efficiency.items()
+                   if d not in {m["dtype"] for m in matmuls}}
+    conv_curves.update(conv_sweep.curves(compute_samples, peak))
     streams = [c["bytes_per_s"] for c in compute_samples if c["op"] == "elementwise"]
     if streams:
         bandwidth = max(streams)
@@ -383,6 +405,7 @@ def _fit_cluster(base: ClusterSpec, samples, compute_samples):
         peak_flops=peak,
         memory_bandwidth_bytes_per_s=bandwidth,
         matmul_efficiency=curves,
+        conv_efficiency=conv_curves,
         **new_links,
     )
     return fitted, cluster

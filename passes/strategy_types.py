@@ -97,7 +97,8 @@ def compute_s(info: EqnInfo, shards: int, mesh: MeshContext) -> float:
     shards = max(shards, 1)
     nbytes = info.eqn.bytes_accessed if info.fused_bytes is None else info.fused_bytes
     return compute.compute_time_s(info.eqn.flops / shards, nbytes / shards,
-                                  info.eqn_out_dtype, mesh.cluster)
+                                  info.eqn_out_dtype, mesh.cluster,
+                                  compute.kernel_of(info.eqn.name))
 
 
 def layout_compute_s(info: EqnInfo, shards: int, specs: Sequence[Spec],
@@ -113,7 +114,8 @@ def layout_compute_s(info: EqnInfo, shards: int, specs: Sequence[Spec],
     if info.fused_bytes is not None and whole > 0:
         nbytes *= info.fused_bytes / whole
     return compute.compute_time_s(info.eqn.flops / max(shards, 1), nbytes,
-                                  info.eqn_out_dtype, mesh.cluster)
+                                  info.eqn_out_dtype, mesh.cluster,
+                                  compute.kernel_of(info.eqn.name))
 
 
 def replicated_strategy(info: EqnInfo, mesh: MeshContext, name: str = "replicated") -> Strategy:

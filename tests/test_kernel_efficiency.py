@@ -139,3 +139,76 @@ def test_h200_rows_are_the_lent_sweep_they_cite():
     small, large = 2 * 512 * 1024 * 4096, 2 * 2048 * 4096 * 16384
     assert (compute.compute_time_s(small, 0, "bfloat16", h200) / small
             > 2 * compute.compute_time_s(large, 0, "bfloat16", h200) / large)
+
+
+# --- convolutions ------------------------------------------------------------------------------
+
+
+def test_conv_calls_read_the_conv_curve_and_fall_back_to_matmul():
+    h100 = ClusterSpec.preset("8xH100-80GB")
+    assert compute.kernel_of("conv_general_dilated") == "conv"
+    assert compute.kernel_of("dot_general") == compute.kernel_of("add") == "matmul"
+    # Without a conv curve a convolution is priced on the matmul curve (as before).
+    assert dict(h100.conv_efficiency) == {}
+    assert compute.compute_time_s(1e12, 0, "bfloat16", h100, "conv") == \
+        compute.compute_time_s(1e12, 0, "bfloat16", h100)
+    spec = dataclasses.replace(h100, conv_efficiency={"bfloat16": [(1e10, 0.1), (1e12, 0.3)]})
+    peak = spec.peak_flops_per_s("bfloat16")
+    assert compute.compute_time_s(1e12, 0, "bfloat16", spec, "conv") == \
+        pytest.approx(1e12 / (peak * 0.3))
+    assert compute.flop_fraction(1e11, "bfloat16", spec, "conv") == pytest.approx(0.2)
+    # Matmuls, and convolutions of a dtype without a conv curve, keep the matmul curve.
+    assert compute.flop_fraction(1e11, "bfloat16", spec) == \
+        compute.flop_fraction(1e11, "bfloat16", h100)
+    assert compute.flop_fraction(1e11, "float16", spec, "conv") == \
+        compute.flop_fraction(1e11, "float16", h100)
+    data = json.loads(json.dumps(spec.to_json()))
+    assert data["conv_efficiency"] == {"bfloat16": [[1e10, 0.1], [1e12, 0.3]]}
+    assert ClusterSpec.from_json(data) == spec and spec != h100
+    assert "conv_efficiency" not in h100.to_json()  # files without conv curves unchanged
+
+
+def _table_with(conv: dict) -> dict:
+    row = {"flops": 1e12, "fraction": 0.5, "source": "test"}
+    return {"format_version": efficiency.FORMAT_VERSION, "devices": {"H200-141GB": {
+        "bandwidth": {"fraction": 0.9, "source": "test"},
+        "matmul": {"bfloat16": [row]}, **conv}}}
+
+
+def test_table_conv_rows_parse_and_need_matmul_rows():
+    rows = [{"flops": 1e11, "fraction": 0.2, "source": "a"},
+            {"flops": 1e10, "fraction": 0.1, "source": "b"}]
+    entry = efficiency.parse(_table_with({"conv": {"bfloat16": rows}}))["H200-141GB"]
+    assert entry.conv_curves() == {"bfloat16": ((1e10, 0.1), (1e11, 0.2))}
+    assert efficiency.parse(_table_with({}))["H200-141GB"].conv_curves() == {}
+    with pytest.raises(ValueError, match=r"conv rows for \['float16'\] without matmul rows"):
+        efficiency.parse(_table_with({"conv": {"float16": rows}}))
+    with pytest.raises(ValueError, match="H200-141GB/conv/bfloat16"):
+        efficiency.parse(_table_with({"conv": {"bfloat16": [dict(rows[0], fraction=2.0)]}}))
+
+
+def test_planner_prices_convolutions_on_the_conv_curve():
+    import jax
+    import optax
+
+    import autopar
+
+    def step(w, x):
+        def loss(w):
+            y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            return jnp.mean(y**2)
+        value, grad = jax.value_and_grad(loss)(w)
+        return optax.apply_updates(w, jax.tree.map(lambda g: -1e-3 * g, grad)), value
+
+    args = (jax.ShapeDtypeStruct((3, 3, 256, 256), jnp.bfloat16),
+            jax.ShapeDtypeStruct((64, 56, 56, 256), jnp.bfloat16))
+    base = ClusterSpec.preset("1xH100-80GB")
+    slow = dataclasses.replace(base, conv_efficiency={"bfloat16": [(1.0, 0.05)]})
+    method = autopar.ShardParallel(memory_budget_bytes=1e12)
+    t_base, t_slow = (autopar.plan(step, *args, cluster=c, method=method).predicted.step_s
+                      for c in (base, slow))
+    # Two convolutions of 2*64*56*56*9*256*256 FLOPs each (forward and kernel gradient; x
+    # is no parameter), now at 5% of the peak: the step is at least their time.
+    conv_s = 2 * 2 * 64 * 56 * 56 * 9 * 256 * 256 / (base.peak_flops_per_s("bfloat16") * 0.05)
+    assert t_slow >= conv_s * 0.99 and t_slow > 2 * t_base

@@ -6,7 +6,15 @@ import jax
 import numpy as np
 import pytest
 
-from autopar.cost_model import ClusterSpec, Link, collectives, compute, matmul_sweep, profiler
+from autopar.cost_model import (
+    ClusterSpec,
+    Link,
+    collectives,
+    compute,
+    conv_sweep,
+    matmul_sweep,
+    profiler,
+)
 from autopar.cost_model.profiler import ProfileResult, factor, fit_alpha_beta
 
 AXES = [((8,), 0), ((2, 4), 0), ((2, 4), 1)]
@@ -205,3 +213,47 @@ def test_profiled_gpu_cluster_drops_the_presets_curve_of_a_remeasured_dtype():
     assert "float16" not in cluster.matmul_efficiency
     assert cluster.matmul_efficiency["bfloat16"] == base.matmul_efficiency["bfloat16"]
     assert cluster.peak_flops_per_s("bfloat16") == base.peak_flops_per_s("bfloat16")
+
+
+# --- convolution efficiency sweep ----------------------------------------------------------------
+
+
+def test_conv_sweep_samples_become_the_clusters_conv_curve(tmp_path):
+    result = profiler.profile(collectives=(), mesh_shapes=[], dtypes=("float32",),
+                              matmul_shapes=(), conv_shapes=conv_sweep.QUICK_SHAPES, quick=True)
+    chains = [c for c in result.compute_samples if c["op"] == "conv-chain"]
+    assert [tuple(c["shape"]) for c in chains] == list(conv_sweep.QUICK_SHAPES)
+    peak = result.cluster.peak_flops_per_s("float32")
+    curve = dict(result.cluster.conv_efficiency["float32"])
+    for c in chains:
+        n, side, ch, w = c["shape"]
+        assert c["flops"] == 2.0 * n * side * side * 9 * ch * w * ch
+        short, long = c["call_seconds"]
+        calls = conv_sweep.CALLS_PER_TRIP * (conv_sweep.TRIPS[1] - conv_sweep.TRIPS[0])
+        assert c["seconds"] == pytest.approx(max((long - short) / calls, 1e-9))
+        assert curve[c["flops"]] == pytest.approx(min(1.0, c["flops_per_s"] / peak))
+        # The planner prices a convolution of this size at the measured rate.
+        assert compute.compute_time_s(c["flops"], 0, "float32", result.cluster, "conv") == \
+            pytest.approx(c["seconds"], rel=1e-6) or curve[c["flops"]] == 1.0
+    result.save(tmp_path / "c.json")
+    assert ClusterSpec.load(tmp_path / "c.json").conv_efficiency == \
+        result.cluster.conv_efficiency
+    with pytest.raises(ValueError, match="conv_shapes"):
+        profiler.profile(collectives=(), mesh_shapes=[], conv_shapes=[(1, 2, 3)], quick=True)
+
+
+def test_conv_chain_computes_the_training_pass_it_times():
+    mesh = profiler._mesh(jax.devices()[:2], (2,))
+    shape = (1, 4, 3, 2)
+    x, k1, k2 = conv_sweep._operands(mesh, "float32", shape)
+    got = np.asarray(conv_sweep._chain(mesh, 2)((x, k1, k2)))
+    xs, a, b = (np.asarray(v) for v in (x, k1, k2))
+    for d in range(2):   # each device runs its own images with its own kernels
+        y, u, v = xs[d:d + 1], a[3 * d:3 * d + 3], b[3 * d:3 * d + 3]
+        for _ in range(2):
+            def f(y, u, v):
+                return conv_sweep._conv(conv_sweep._conv(y, u), v)
+            out, vjp = jax.vjp(f, y, u, v)
+            dy, du, dv = vjp(out)
+            y, u, v = out + 1e-3 * dy, u - 1e-3 * du, v - 1e-3 * dv
+        np.testing.assert_allclose(got[d:d + 1], y, rtol=1e-5, atol=1e-6)
