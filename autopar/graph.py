@@ -1,4 +1,5 @@
-"""A read-only, flattened view of a traced training step.
+"""A traced training step as the planner's `ir.Graph` (`autopar.passes.ir`, JAX-free):
+built from a jaxpr, and run.
 
 `Graph.from_jaxpr` inlines nested calls whose inlining keeps the values the same
 (`jit`, `closed_call`, `custom_jvp_call`, `custom_vjp_call`, `remat2`): the step has already
@@ -6,126 +7,28 @@ been differentiated when it is traced, so the custom rules are no longer needed,
 rematerialization changes memory, not values.  Control flow (`scan`, `while`, `cond`) stays
 one opaque equation whose body is left untouched.
 
-Values are numbered; an equation's operands are value ids or `Lit` constants.  Time is the
-equation index: a value is live from its producing equation (inputs: time 0) to its last use
-(outputs: the end of the step).
+The data types (`Value`, `Eqn`, `Lit`, `Operand`) and the dtype helpers live in
+`autopar.passes.ir` and are re-exported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.extend.core as jcore
 import numpy as np
-from jax._src import source_info_util
 
-from autopar.passes import primitives
+from autopar.passes import ir, primitives
+from autopar.passes.ir import Eqn, Lit, Operand, Value, is_float, is_numeric, itemsize
 
-from .interpret import Lit, run_eqns
+from .interpret import run_eqns
 
-Operand = int | Lit
-
-
-@dataclasses.dataclass(frozen=True)
-class Value:
-    """A value of the program: an input, a constant, or an equation output.
-
-    `producer` is the index of the producing equation, or None for inputs and constants.
-    """
-
-    id: int
-    shape: tuple[int, ...]
-    dtype: Any
-    producer: int | None
-    input_index: int | None = None
-    const_index: int | None = None
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @functools.cached_property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @functools.cached_property
-    def nbytes(self) -> int:
-        """Bytes of the whole (unsharded) value (cached: the stage search asks it millions
-        of times)."""
-        return self.size * itemsize(self.dtype)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Eqn:
-    """One equation of the flattened program.
-
-    `flops` counts floating-point operations of the whole equation (unsharded);
-    `bytes_accessed` counts bytes read and written.
-    """
-
-    index: int
-    primitive: jcore.Primitive
-    params: dict
-    inputs: tuple[Operand, ...]
-    outputs: tuple[int, ...]
-    source_info: Any
-    ctx: Any
-    flops: float
-    bytes_accessed: float
-
-    @property
-    def name(self) -> str:
-        return self.primitive.name
-
-    @property
-    def invars(self) -> tuple[Operand, ...]:
-        """`inputs`, under the name `autopar.interpret` reads."""
-        return self.inputs
-
-    @property
-    def outvars(self) -> tuple[int, ...]:
-        return self.outputs
-
-    def where(self) -> str:
-        """The user's source line that produced this equation ("file:line (fn)")."""
-        try:
-            return source_info_util.summarize(self.source_info)
-        except Exception:  # source info is best-effort; never fail an error message on it
-            return "<unknown source>"
-
-
-def itemsize(dtype: Any) -> int:
-    """Bytes per element; PRNG key arrays count their underlying uint32 words."""
-    try:
-        return np.dtype(dtype).itemsize
-    except TypeError:
-        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-            return 8
-        return 4
-
-
-def is_numeric(dtype: Any) -> bool:
-    """A NumPy dtype (arrays of it can be sharded); False for extended dtypes such as
-    PRNG key arrays."""
-    try:
-        np.dtype(dtype)
-        return True
-    except TypeError:
-        return False
-
-
-def is_float(dtype: Any) -> bool:
-    """Floating or complex: values of this dtype carry gradients and are averaged over
-    micro-batches (integer ones are not)."""
-    try:
-        return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
-    except TypeError:
-        return False
+__all__ = ["Eqn", "Graph", "Lit", "Operand", "Value", "equation_flops", "is_float",
+           "is_numeric", "itemsize"]
 
 
 def _aval_shape_dtype(aval: Any) -> tuple[tuple[int, ...], Any]:
@@ -163,30 +66,9 @@ def equation_flops(name: str, params: dict, ins: Sequence[tuple[int, ...]],
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Graph:
-    """The flattened program.
-
-    Attributes:
-      values: every value, indexed by id.
-      eqns: equations in program order.
-      invars: value ids of the program inputs (flattened arguments).
-      outvars: operands of the program outputs (a value id or a literal).
-      consts: constant arrays captured by the trace, by `Value.const_index`.
-      consumers: for each value id, the indices of the equations that read it.
-      barriers: equation index → value ids that pass through an optimization barrier
-        before it runs: the operands of an inlined rematerialized backward (`remat2` with
-        `prevent_cse`), which JAX's lowering ties together so that XLA neither merges the
-        recomputation with the forward (CSE) nor starts it before the cotangent arrives.
-        Invisible to the planner (identity, no buffer); applied by `run_eqns`.
-    """
-
-    values: tuple[Value, ...]
-    eqns: tuple[Eqn, ...]
-    invars: tuple[int, ...]
-    outvars: tuple[Operand, ...]
-    consts: tuple[Any, ...]
-    consumers: tuple[tuple[int, ...], ...]
-    barriers: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+class Graph(ir.Graph):
+    """`ir.Graph` built from a jaxpr and run: `from_jaxpr` flattens a traced step,
+    `evaluate` / `run_eqns` execute (or trace) its equations."""
 
     @staticmethod
     def from_jaxpr(closed: jcore.ClosedJaxpr, inline: bool = True,
@@ -220,43 +102,6 @@ class Graph:
             consumers=tuple(tuple(c) for c in consumers),
             barriers=dict(builder.barriers),
         )
-
-    @property
-    def num_steps(self) -> int:
-        """Number of time steps (equations); outputs stay live until this time."""
-        return len(self.eqns)
-
-    def liveness(self) -> np.ndarray:
-        """int64 [num_values, 2]: the half-open interval [start, end) each value is live.
-
-        Inputs and constants start at 0; an equation output starts at its equation's index;
-        a value ends after its last use, or at `num_steps + 1` if it is a program output.
-        """
-        out = np.zeros((len(self.values), 2), dtype=np.int64)
-        outputs = {op for op in self.outvars if isinstance(op, int)}
-        for v in self.values:
-            start = 0 if v.producer is None else v.producer
-            uses = self.consumers[v.id]
-            end = (uses[-1] + 1) if uses else start + 1
-            if v.id in outputs:
-                end = self.num_steps + 1
-            out[v.id] = (start, end)
-        return out
-
-    def total_flops(self) -> float:
-        return float(sum(e.flops for e in self.eqns))
-
-    def text(self) -> str:
-        """A canonical text form of the program (for fingerprints)."""
-        lines = [f"in {[(self.values[i].shape, str(self.values[i].dtype)) for i in self.invars]}"]
-        for e in self.eqns:
-            params = {k: v for k, v in sorted(e.params.items())}
-            ins = [f"v{op}" if isinstance(op, int) else f"lit({op.value!r})" for op in e.inputs]
-            outs = [f"v{o}:{self.values[o].shape}{self.values[o].dtype}" for o in e.outputs]
-            lines.append(f"{outs} = {e.name}{params} {ins}")
-        outs = [op if isinstance(op, int) else repr(op.value) for op in self.outvars]
-        lines.append(f"out {outs}")
-        return "\n".join(lines)
 
     def evaluate(self, args: Sequence[Any],
                  on_value: Callable[[int, Any], Any] | None = None,
@@ -299,47 +144,6 @@ class Graph:
             if tied:
                 env.update(zip(tied, jax.lax.optimization_barrier([env[v] for v in tied])))
             yield i, self.eqns[i]
-
-    def producers_back(self, starts: Iterable[Operand], follow: Callable[[int], bool]
-                       ) -> Iterator[int]:
-        """Indices of the equations producing `starts` and, walking back through every
-        equation `follow(index)` accepts, its operands' producers: each once, nearest
-        first along each path (literals, inputs and constants end a path)."""
-        stack = [op for op in starts if isinstance(op, int)]
-        seen: set[int] = set()
-        while stack:
-            vid = stack.pop()
-            if vid in seen:
-                continue
-            seen.add(vid)
-            k = self.values[vid].producer
-            if k is None:
-                continue
-            yield k
-            if follow(k):
-                stack.extend(op for op in self.eqns[k].inputs if isinstance(op, int))
-
-    def computed_from(self, starts: Iterable[int], keep: Callable[[int], bool] = lambda v: True
-                      ) -> set[int]:
-        """`starts` and every value computed from one of them: each output that `keep`
-        accepts of an equation reading a value of the set (a rejected output ends its
-        paths)."""
-        out = set(starts)
-        for e in self.eqns:
-            if any(isinstance(op, int) and op in out for op in e.inputs):
-                out.update(o for o in e.outputs if keep(o))
-        return out
-
-    def read(self, op: Operand, env: dict[int, Any]) -> Any:
-        """The value of an operand: a literal, a constant, or `env[id]`."""
-        if isinstance(op, Lit):
-            return op.value
-        if op in env:
-            return env[op]
-        const = self.values[op].const_index
-        if const is None:
-            raise KeyError(f"value {op} is not computed yet")
-        return self.consts[const]
 
 
 class _Builder:

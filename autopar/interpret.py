@@ -16,25 +16,12 @@ Hooks, all optional:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from typing import Any
 
 import jax.extend.core as jcore
 
-
-@dataclasses.dataclass(frozen=True)
-class Lit:
-    """A literal operand of a flattened program (a Python or NumPy scalar baked in)."""
-
-    value: Any
-    shape: tuple[int, ...]
-    dtype: Any
-
-    @property
-    def val(self) -> Any:
-        return self.value
-
+from autopar.passes.ir import Lit
 
 OperandHook = Callable[[int, int, Any], Any]
 ValueHook = Callable[[Any, Any], Any]

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from autopar.cost_model.units import format_bytes
-from autopar.graph import Graph, Lit
+from autopar.passes.ir import Graph, Lit
 
 from . import memory as mem
 from .problem_builder import (

@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from autopar.graph import Graph
+from autopar.passes.ir import Graph
 
 from . import primitives
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from autopar.graph import Graph
+from autopar.passes.ir import Graph
 
 from . import primitives
 from .sharding_spec import COMBINE_BYTES

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from autopar.cost_model import collectives
-from autopar.graph import Graph, Lit, Value, is_numeric
+from autopar.passes.ir import Graph, Lit, Value, is_numeric
 
 from . import fallbacks, primitives
 from . import memory as mem

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 from autopar.cost_model import compute
-from autopar.graph import Eqn
+from autopar.passes.ir import Eqn
 
 from .sharding_spec import MeshContext, Spec, replicated
 

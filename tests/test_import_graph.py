@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -20,11 +22,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # installed as autopar.passes and autopar.cost_model).
 PACKAGES = {"autopar": ROOT / "autopar", "autopar.passes": ROOT / "passes",
             "autopar.cost_model": ROOT / "cost_model"}
-# What planning (passes/, cost_model/) may import from autopar/ outside them: the graph
-# data types.  Issue 42 item 1 moves these into a JAX-free base; until then this is the
-# only way down from the runtime's folder to the passes.
+# What planning (passes/, cost_model/) may import from autopar/ outside them: nothing (the
+# graph data types are `autopar.passes.ir`; `autopar.graph` builds and runs them).
 PLANNING = ("autopar.passes", "autopar.cost_model")
-PLANNING_MAY_IMPORT = {"autopar.graph"}
+PLANNING_MAY_IMPORT: set[str] = set()
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -145,7 +146,8 @@ def graph() -> dict[str, set[str]]:
 def test_the_walker_reads_every_module_and_finds_a_cycle(graph):
     assert {"autopar.api", "autopar.passes.intra_op", "autopar.cost_model.cluster",
             "autopar.passes.solver.pool"} <= set(graph)
-    assert "autopar.graph" in graph["autopar.passes.intra_op"]
+    assert "autopar.passes.ir" in graph["autopar.passes.intra_op"]
+    assert "autopar.passes.ir" in graph["autopar.graph"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
 
@@ -161,3 +163,24 @@ def test_planning_imports_nothing_from_the_runtime(graph):
                        and d.startswith("autopar") and d not in PLANNING_MAY_IMPORT)
              for m, deps in graph.items() if m.startswith(PLANNING)}
     assert not {m: d for m, d in wrong.items() if d}
+
+
+def test_solver_and_graph_types_import_without_jax():
+    """The sharding solver (every module of `autopar.passes.solver`) and the graph data
+    types (`autopar.passes.ir`) import with JAX blocked, and pull in no module of autopar
+    outside them but the (lazy) package `__init__`s."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "sys.modules['jax'] = None\n"
+        "import autopar.passes.ir, autopar.passes.solver as s\n"
+        "for m in pkgutil.walk_packages(s.__path__, 'autopar.passes.solver.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "loaded = [m for m, v in sys.modules.items() if v is not None]\n"
+        "jax = [m for m in loaded if m == 'jax' or m.startswith('jax.')]\n"
+        "assert not jax, jax\n"
+        "other = [m for m in loaded if m.startswith('autopar') and m not in "
+        "('autopar', 'autopar.passes', 'autopar.passes.ir') "
+        "and not m.startswith('autopar.passes.solver')]\n"
+        "assert not other, other\n"
+        "assert len([m for m in loaded if m.startswith('autopar.passes.solver.')]) > 15\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
