@@ -26,10 +26,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from .matmul_sweep import op_curves
+from .matmul_sweep import op_curves, stacked_uniform
 
 Shape = tuple[int, int, int, int]
 """``(n, side, c, w)``: images per device, square spatial side, channels, width factor of
@@ -77,18 +77,9 @@ def _operands(mesh: Mesh, dtype: str, shape: Shape):
     1/sqrt(fan-in) so the chain's values stay of order one in half precision.  The kernels
     are stacked along their first axis, one pair per device."""
     n, side, c, w = shape
-    d = mesh.devices.size
-    sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
-
-    def make(key, dims, scale):
-        dims = (d * dims[0],) + dims[1:]
-        return jax.jit(lambda: jax.random.uniform(jax.random.key(key), dims, dtype,
-                                                  -scale, scale),
-                       out_shardings=sharding)()
-
-    return (make(0, (n, side, side, c), 1.0),
-            make(1, (3, 3, c, w * c), 3.0**0.5 / (9 * c)**0.5),
-            make(2, (3, 3, w * c, c), 3.0**0.5 / (9 * w * c)**0.5))
+    return (stacked_uniform(mesh, 0, (n, side, side, c), dtype, 1.0),
+            stacked_uniform(mesh, 1, (3, 3, c, w * c), dtype, 3.0**0.5 / (9 * c)**0.5),
+            stacked_uniform(mesh, 2, (3, 3, w * c, c), dtype, 3.0**0.5 / (9 * w * c)**0.5))
 
 
 def flops(shape: Shape) -> float:

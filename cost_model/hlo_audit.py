@@ -163,6 +163,9 @@ class Audit:
       memory: per-device memory (None if ``memory_analysis()`` is unavailable).
       compute_dtype: dtype of the largest dot / convolution output (sets the peak FLOP/s;
         ``"float32"`` when there is none).
+      compute_kernel: the kind of call (`compute.KERNEL_CURVES` key) with the most output
+        elements: ``"conv"`` where convolutions dominate, else ``"matmul"``; the FLOPs are
+        priced on that kind's efficiency curve.
       involuntary_rematerializations: reshards the partitioner did by replicating the whole
         tensor (its "Involuntary full rematerialization" warnings, see
         :mod:`autopar.cost_model.compile_log`), or None when the compile was not logged.
@@ -176,6 +179,7 @@ class Audit:
     memory: MemoryUsage | None
     compute_dtype: str
     involuntary_rematerializations: int | None = None
+    compute_kernel: str = "matmul"
 
     def bytes_by_kind(self, which: str = "nbytes") -> dict[str, float]:
         """Sum of ``which`` (``"nbytes"``, ``"operand_bytes"`` or ``"result_bytes"``) per kind."""
@@ -199,7 +203,8 @@ class Audit:
         for c, s in per:
             by_kind[c.kind] = by_kind.get(c.kind, 0.0) + s
         comm = sum(s for _, s in per)
-        compute = compute_time_s(self.flops, self.bytes_accessed, self.compute_dtype, cluster)
+        compute = compute_time_s(self.flops, self.bytes_accessed, self.compute_dtype, cluster,
+                                 self.compute_kernel)
         return {
             "communication_s": comm,
             "compute_s": compute,
@@ -220,6 +225,7 @@ class Audit:
             "bytes_accessed": self.bytes_accessed,
             "memory": memory,
             "compute_dtype": self.compute_dtype,
+            "compute_kernel": self.compute_kernel,
             "involuntary_rematerializations": self.involuntary_rematerializations,
         }
 
@@ -301,11 +307,14 @@ def audit_text(hlo_text: str, mesh_shape: Sequence[int], mesh_axes: Sequence[str
             for ref in re.findall(r"%([\w.\-]+)", operands):
                 done_types[ref] = typ
     found = []
-    compute: dict[str, int] = {}
+    compute: dict[tuple[str, str], int] = {}  # (kind of call, HLO dtype) -> output elements
     for name, typ, opcode, operands, attrs in instructions:
-        if opcode in ("dot", "convolution"):
-            for dt, elems in _shapes(typ):
-                compute[dt] = compute.get(dt, 0) + elems
+        kernel = _kernel(opcode, attrs)
+        if kernel is not None:
+            # A library call's result is (output, scratch bytes): its first shape only.
+            shapes = _shapes(typ)[:1] if opcode == "custom-call" else _shapes(typ)
+            for dt, elems in shapes:
+                compute[kernel, dt] = compute.get((kernel, dt), 0) + elems
         is_async = opcode.endswith("-start")
         kind = opcode[: -len("-start")] if is_async else opcode
         if kind not in KINDS:
@@ -329,9 +338,33 @@ def audit_text(hlo_text: str, mesh_shape: Sequence[int], mesh_axes: Sequence[str
             operand_bytes=operand_bytes, groups=tuple(tuple(g) for g in groups),
             group_size=max(len(g) for g in groups), axes=tuple(axes[a] for a in varying),
             full_axes=full, is_async=is_async, count=counts.get(name, 1)))
-    hlo_dtype = max(compute, key=compute.get) if compute else "f32"
+    hlo_dtype = _largest(compute, 1) or "f32"
     return Audit(shape, axes, tuple(found), 0.0, 0.0, None,
-                 _HLO_DTYPES.get(hlo_dtype, ("float32",))[0])
+                 _HLO_DTYPES.get(hlo_dtype, ("float32",))[0],
+                 compute_kernel=_largest(compute, 0) or "matmul")
+
+
+# HLO opcode -> kind of call (`compute.KERNEL_CURVES`); GPU backends lower both to library
+# calls, named by their custom-call target's prefix.
+_KERNEL_OPCODES = {"dot": "matmul", "convolution": "conv"}
+_KERNEL_CALL_TARGETS = (("__cudnn$conv", "conv"), ("__cublas", "matmul"))
+
+
+def _kernel(opcode: str, attrs: str) -> str | None:
+    """The kind of call an HLO instruction is, None for anything but a matmul or conv."""
+    if opcode != "custom-call":
+        return _KERNEL_OPCODES.get(opcode)
+    target = _attribute(attrs, "custom_call_target") or ""
+    return next((k for prefix, k in _KERNEL_CALL_TARGETS if target.strip('"').startswith(prefix)),
+                None)
+
+
+def _largest(elements: dict[tuple[str, str], int], part: int) -> str | None:
+    """The key part (0: kind of call, 1: dtype) with the most elements, None if empty."""
+    totals: dict[str, int] = {}
+    for key, n in elements.items():
+        totals[key[part]] = totals.get(key[part], 0) + n
+    return max(totals, key=totals.get) if totals else None
 
 
 # --- HLO text ---------------------------------------------------------------------------------

@@ -53,19 +53,23 @@ def _chain(mesh: Mesh, dtype: str, trips: int):
                                  out_specs=spec, check_vma=False))
 
 
+def stacked_uniform(mesh: Mesh, key: int, dims: tuple[int, ...], dtype: str,
+                    scale: float) -> jax.Array:
+    """Uniform values in [-scale, scale) of shape ``(d * dims[0],) + dims[1:]``, one block
+    of ``dims`` per device of the 1-D ``mesh`` (split along the first axis), made on the
+    devices themselves."""
+    full = (mesh.devices.size * dims[0],) + tuple(dims[1:])
+    return jax.jit(lambda: jax.random.uniform(jax.random.key(key), full, dtype, -scale, scale),
+                   out_shardings=NamedSharding(mesh, P(mesh.axis_names[0])))()
+
+
 def _operands(mesh: Mesh, dtype: str, shape: Shape):
     """Random operands (GPUs multiply constant data faster), weights scaled by 1/sqrt(fan-in)
     so the chain's values stay of order one in half precision."""
     m, k, n = shape
-    d = mesh.devices.size
-    sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
-
-    def make(key, rows, cols, scale):
-        return jax.jit(lambda: jax.random.uniform(jax.random.key(key), (d * rows, cols), dtype,
-                                                  -scale, scale),
-                       out_shardings=sharding)()
-
-    return make(0, m, k, 1.0), make(1, k, n, 3.0**0.5 / k**0.5), make(2, n, k, 3.0**0.5 / n**0.5)
+    return (stacked_uniform(mesh, 0, (m, k), dtype, 1.0),
+            stacked_uniform(mesh, 1, (k, n), dtype, 3.0**0.5 / k**0.5),
+            stacked_uniform(mesh, 2, (n, k), dtype, 3.0**0.5 / n**0.5))
 
 
 def time_shape(mesh: Mesh, dtype: str, shape: Shape, repeats: int,

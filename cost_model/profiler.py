@@ -374,6 +374,10 @@ def _fit_groups(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+# The ClusterSpec efficiency field each sweep's samples fit (its `curves(samples, peaks)`).
+CURVE_SWEEPS = (("matmul_efficiency", matmul_sweep), ("conv_efficiency", conv_sweep))
+
+
 def _fit_cluster(base: ClusterSpec, samples, compute_samples):
     by_link: dict[str, list[dict[str, Any]]] = {"intra_host": [], "inter_host": []}
     for s in samples:
@@ -390,12 +394,11 @@ def _fit_cluster(base: ClusterSpec, samples, compute_samples):
         peak[dtype] = max(c["flops_per_s"] for c in matmuls if c["dtype"] == dtype)
     # Measured curves replace the preset's; dtypes the sweep did not cover keep theirs only
     # if their peak was not re-measured (a preset fraction is of the datasheet peak).
-    curves = {d: c for d, c in base.matmul_efficiency.items()
-              if d not in {m["dtype"] for m in matmuls}}
-    curves.update(matmul_sweep.curves(compute_samples, peak))
-    conv_curves = {d: c for d, c in base.conv_efficiency.items()
-                   if d not in {m["dtype"] for m in matmuls}}
-    conv_curves.update(conv_sweep.curves(compute_samples, peak))
+    remeasured = {m["dtype"] for m in matmuls}
+    fitted_curves = {}
+    for field, sweep in CURVE_SWEEPS:
+        kept = {d: c for d, c in getattr(base, field).items() if d not in remeasured}
+        fitted_curves[field] = {**kept, **sweep.curves(compute_samples, peak)}
     streams = [c["bytes_per_s"] for c in compute_samples if c["op"] == "elementwise"]
     if streams:
         bandwidth = max(streams)
@@ -404,8 +407,7 @@ def _fit_cluster(base: ClusterSpec, samples, compute_samples):
         name=f"profiled-{base.name}",
         peak_flops=peak,
         memory_bandwidth_bytes_per_s=bandwidth,
-        matmul_efficiency=curves,
-        conv_efficiency=conv_curves,
+        **fitted_curves,
         **new_links,
     )
     return fitted, cluster

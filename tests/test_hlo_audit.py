@@ -211,6 +211,45 @@ def test_cost_analysis_and_memory_are_per_device():
     assert audited.memory.total_bytes == per_device_bytes(compiled)
 
 
+def test_convolution_programs_are_priced_on_the_conv_curve():
+    """A program whose largest calls are convolutions is priced on the cluster's conv
+    curve, a matmul program on the matmul curve (the kind read from the HLO op)."""
+    x, k = jnp.ones((8, 32, 32, 16)), jnp.ones((3, 3, 16, 32))
+    conv = jax.jit(lambda x, k: jax.lax.conv_general_dilated(
+        x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))).lower(x, k).compile()
+    matmul = jax.jit(lambda a, b: a @ b).lower(jnp.ones((64, 64)), jnp.ones((64, 64))).compile()
+    conv_audit, matmul_audit = audit(conv, (1,), ("d",)), audit(matmul, (1,), ("d",))
+    assert (conv_audit.compute_kernel, matmul_audit.compute_kernel) == ("conv", "matmul")
+    assert conv_audit.to_json()["compute_kernel"] == "conv"
+    base = ClusterSpec.preset("8xCPU")
+    slow_conv = dataclasses.replace(base, conv_efficiency={"float32": ((1.0, 0.01),)})
+    assert conv_audit.price(slow_conv)["compute_s"] == compute_time_s(
+        conv_audit.flops, conv_audit.bytes_accessed, "float32", slow_conv, "conv")
+    assert conv_audit.price(slow_conv)["compute_s"] > conv_audit.price(base)["compute_s"]
+    assert matmul_audit.price(slow_conv)["compute_s"] == matmul_audit.price(base)["compute_s"]
+
+
+def test_gpu_library_calls_are_read_as_their_kind():
+    """GPU backends lower dots and convolutions to cuBLAS / cuDNN custom-calls whose result
+    is (output, scratch): the kind and dtype come from the call target and the output."""
+    text = """HloModule m
+ENTRY %main (p0: f16[64,56,56,128], p1: f16[3,3,128,128], p2: f16[64,64]) -> f16[64,56,56,128] {
+  %p0 = f16[64,56,56,128]{3,2,1,0} parameter(0)
+  %p1 = f16[3,3,128,128]{3,2,1,0} parameter(1)
+  %p2 = f16[64,64]{1,0} parameter(2)
+  %c = (f16[64,56,56,128], u8[99999999]) custom-call(%p0,%p1), custom_call_target="__cudnn$convForward"
+  %g = (f32[64,64], s8[4194304]) custom-call(%p2, %p2), custom_call_target="__cublas$gemm"
+  ROOT %out = f16[64,56,56,128] get-tuple-element(%c), index=0
+}
+"""  # noqa: E501
+    audited = audit_text(text, (1,), ("d",))
+    assert (audited.compute_kernel, audited.compute_dtype) == ("conv", "float16")
+    # The matmul alone: its float32 output, not its int8 workspace, sets the dtype.
+    gemm_only = text.replace("__cudnn$convForward", "something-else")
+    assert (audit_text(gemm_only, (1,), ("d",)).compute_kernel,
+            audit_text(gemm_only, (1,), ("d",)).compute_dtype) == ("matmul", "float32")
+
+
 def test_price_uses_cost_model_functions():
     link_x, link_y = Link(1e-5, 2e-9), Link(3e-6, 5e-10)
 
