@@ -45,21 +45,12 @@ from typing import Any
 import numpy as np
 
 from . import collectives as _collectives
+from . import hlo_text as hlo
 from .cluster import Backend, ClusterSpec, Link
 from .compute import compute_time_s
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
-_HLO_DTYPES = {
-    "pred": ("bool", 8), "s4": ("int4", 4), "u4": ("uint4", 4), "s8": ("int8", 8),
-    "u8": ("uint8", 8), "s16": ("int16", 16), "u16": ("uint16", 16), "s32": ("int32", 32),
-    "u32": ("uint32", 32), "s64": ("int64", 64), "u64": ("uint64", 64), "f16": ("float16", 16),
-    "bf16": ("bfloat16", 16), "f32": ("float32", 32), "f64": ("float64", 64),
-    "c64": ("complex64", 64), "c128": ("complex128", 128),
-}  # fmt: skip
-_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([<=\d,]*)\]")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_OPCODE = re.compile(r"\s*([\w\-]+)\(")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,8 +289,8 @@ def audit_text(hlo_text: str, mesh_shape: Sequence[int], mesh_axes: Sequence[str
         raise ValueError(f"device_ids must be {size} distinct ids, got {device_ids!r}")
     position = {d: p for p, d in enumerate(ids)}
 
-    instructions = _parse_instructions(hlo_text)
-    counts = _run_counts(hlo_text)
+    instructions = hlo.parse_instructions(hlo_text)
+    counts = hlo.run_counts(hlo_text)
     types = {name: typ for name, typ, _, _, _ in instructions}
     done_types = {}
     for _, typ, opcode, operands, _ in instructions:
@@ -309,21 +300,21 @@ def audit_text(hlo_text: str, mesh_shape: Sequence[int], mesh_axes: Sequence[str
     found = []
     compute: dict[tuple[str, str], int] = {}  # (kind of call, HLO dtype) -> output elements
     for name, typ, opcode, operands, attrs in instructions:
-        kernel = _kernel(opcode, attrs)
+        kernel = hlo.kernel_kind(opcode, attrs)
         if kernel is not None:
             # A library call's result is (output, scratch bytes): its first shape only.
-            shapes = _shapes(typ)[:1] if opcode == "custom-call" else _shapes(typ)
+            shapes = hlo.shapes(typ)[:1] if opcode == "custom-call" else hlo.shapes(typ)
             for dt, elems in shapes:
                 compute[kernel, dt] = compute.get((kernel, dt), 0) + elems
         is_async = opcode.endswith("-start")
         kind = opcode[: -len("-start")] if is_async else opcode
         if kind not in KINDS:
             continue
-        operand_bytes = _operand_bytes(operands, types)
+        operand_bytes = hlo.operand_bytes(operands, types)
         result_type = done_types.get(name, typ) if is_async else typ
-        result_bytes = _nbytes(result_type)
-        result_shapes = _shapes(result_type)
-        dtype = _HLO_DTYPES.get(result_shapes[0][0], (result_shapes[0][0],))[0] \
+        result_bytes = hlo.nbytes(result_type)
+        result_shapes = hlo.shapes(result_type)
+        dtype = hlo.HLO_DTYPES.get(result_shapes[0][0], (result_shapes[0][0],))[0] \
             if result_shapes else "float32"
         if kind == "collective-permute":
             pairs = _parse_pairs(attrs)
@@ -340,23 +331,8 @@ def audit_text(hlo_text: str, mesh_shape: Sequence[int], mesh_axes: Sequence[str
             full_axes=full, is_async=is_async, count=counts.get(name, 1)))
     hlo_dtype = _largest(compute, 1) or "f32"
     return Audit(shape, axes, tuple(found), 0.0, 0.0, None,
-                 _HLO_DTYPES.get(hlo_dtype, ("float32",))[0],
+                 hlo.HLO_DTYPES.get(hlo_dtype, ("float32",))[0],
                  compute_kernel=_largest(compute, 0) or "matmul")
-
-
-# HLO opcode -> kind of call (`compute.KERNEL_CURVES`); GPU backends lower both to library
-# calls, named by their custom-call target's prefix.
-_KERNEL_OPCODES = {"dot": "matmul", "convolution": "conv"}
-_KERNEL_CALL_TARGETS = (("__cudnn$conv", "conv"), ("__cublas", "matmul"))
-
-
-def _kernel(opcode: str, attrs: str) -> str | None:
-    """The kind of call an HLO instruction is, None for anything but a matmul or conv."""
-    if opcode != "custom-call":
-        return _KERNEL_OPCODES.get(opcode)
-    target = _attribute(attrs, "custom_call_target") or ""
-    return next((k for prefix, k in _KERNEL_CALL_TARGETS if target.strip('"').startswith(prefix)),
-                None)
 
 
 def _largest(elements: dict[tuple[str, str], int], part: int) -> str | None:
@@ -365,144 +341,6 @@ def _largest(elements: dict[tuple[str, str], int], part: int) -> str | None:
     for key, n in elements.items():
         totals[key[part]] = totals.get(key[part], 0) + n
     return max(totals, key=totals.get) if totals else None
-
-
-# --- HLO text ---------------------------------------------------------------------------------
-
-
-def _closing(s: str, i: int) -> int:
-    """Index just past the bracket that closes the one at ``s[i]``."""
-    pairs = {"(": ")", "{": "}", "[": "]"}
-    stack = []
-    for j in range(i, len(s)):
-        ch = s[j]
-        if ch in pairs:
-            stack.append(pairs[ch])
-        elif stack and ch == stack[-1]:
-            stack.pop()
-            if not stack:
-                return j + 1
-    raise ValueError(f"unbalanced brackets in HLO: {s[i:i + 120]!r}")
-
-
-def _parse_instructions(text: str) -> list[tuple[str, str, str, str, str]]:
-    """(name, result type, opcode, operand text, attribute text) of every instruction."""
-    out = []
-    for line in text.splitlines():
-        m = _INSTRUCTION.match(line)
-        if not m:
-            continue
-        name, rest = m.group(1), m.group(2)
-        if rest.startswith("("):
-            end = _closing(rest, 0)
-        else:
-            end = rest.find(" ")
-            if end < 0:
-                continue
-        typ, rest = rest[:end], rest[end:]
-        op = _OPCODE.match(rest)
-        if not op:
-            continue
-        start = op.end() - 1
-        close = _closing(rest, start)
-        out.append((name, typ, op.group(1), rest[start + 1: close - 1], rest[close:]))
-    return out
-
-
-_COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
-_CALLEE = re.compile(r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)"
-                     r"=%?([\w.\-]+)")
-_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
-
-
-def _run_counts(text: str) -> dict[str, int]:
-    """Instruction name → runs per run of the entry computation: a computation runs as
-    often as the instructions calling it, a ``while`` body (and condition) that many times
-    its known trip count."""
-    owner: dict[str, str] = {}
-    calls: dict[str, list[tuple[str, int]]] = {}
-    entry = current = None
-    for line in text.splitlines():
-        head = _COMPUTATION.match(line)
-        if head:
-            current = head.group(2)
-            if head.group(1):
-                entry = current
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        m = _INSTRUCTION.match(line)
-        if current is None or not m:
-            continue
-        owner[m.group(1)] = current
-        callees = _CALLEE.findall(line)
-        branches = re.search(r"branch_computations=\{([^}]*)\}", line)
-        if branches:
-            callees += re.findall(r"%?([\w.\-]+)", branches.group(1))
-        if not callees:
-            continue
-        trip = _TRIP_COUNT.search(line) if " while(" in line else None
-        factor = int(trip.group(1)) if trip else 1
-        calls.setdefault(current, []).extend((c, factor) for c in callees)
-    if entry is None:
-        return {}
-    runs: dict[str, int] = {}
-
-    def visit(comp: str, times: int, path: frozenset[str]) -> None:
-        if comp in path:   # no recursion in HLO; guard against a malformed text
-            return
-        runs[comp] = runs.get(comp, 0) + times
-        for callee, factor in calls.get(comp, ()):
-            visit(callee, times * factor, path | {comp})
-
-    visit(entry, 1, frozenset())
-    return {name: runs.get(comp, 1) for name, comp in owner.items()}
-
-
-def _shapes(typ: str) -> list[tuple[str, int]]:
-    """(HLO dtype, element count) of every array in a (tuple) type."""
-    out = []
-    for dt, dims in _SHAPE.findall(typ):
-        if dt not in _HLO_DTYPES and not dt.startswith("f8"):
-            continue
-        sizes = [int(d.replace("<=", "")) for d in dims.split(",") if d]
-        out.append((dt, math.prod(sizes)))
-    return out
-
-
-def _bits(dt: str) -> int:
-    if dt in _HLO_DTYPES:
-        return _HLO_DTYPES[dt][1]
-    m = re.match(r"[a-z]+(\d+)", dt)
-    return int(m.group(1)) if m else 32
-
-
-def _nbytes(typ: str) -> int:
-    return sum(math.ceil(elems * _bits(dt) / 8) for dt, elems in _shapes(typ))
-
-
-def _operand_bytes(operands: str, types: dict[str, str]) -> int:
-    if _shapes(operands):  # operands printed with their types
-        return _nbytes(operands)
-    return sum(_nbytes(types.get(ref, "")) for ref in re.findall(r"%([\w.\-]+)", operands))
-
-
-def _attribute(attrs: str, key: str) -> str | None:
-    """The text of ``key=...`` in an attribute list (bracketed values whole)."""
-    m = re.search(rf"\b{key}=", attrs)
-    if not m:
-        return None
-    i = m.end()
-    if attrs.startswith("mesh[", i):  # mesh[...][, device_ids=(...)] {axes}
-        j = _closing(attrs, i + 4)
-        k = attrs.find("{", j)
-        return attrs[i:_closing(attrs, k)]
-    if attrs[i] in "{[(":
-        j = _closing(attrs, i)
-        rest = re.match(r"<=\[[\d,]*\](?:T\([\d,]*\))?", attrs[j:])  # iota form tail
-        return attrs[i:j + (rest.end() if rest else 0)]
-    return re.match(r"[^,\s]*", attrs[i:]).group(0)
 
 
 def _iota(dims: Sequence[int], reshape: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
@@ -517,7 +355,7 @@ def _ints(s: str | None) -> list[int]:
 
 
 def _parse_groups(attrs: str, ids: list[int]) -> list[list[int]]:
-    text = _attribute(attrs, "replica_groups")
+    text = hlo.attribute(attrs, "replica_groups")
     if text is None or re.fullmatch(r"\{\s*\}", text):
         return [list(ids)]
     if text.startswith("{"):
@@ -533,7 +371,7 @@ def _parse_groups(attrs: str, ids: list[int]) -> list[list[int]]:
 
 def _mesh_groups(text: str) -> list[list[int]]:
     """Explicit groups of the mesh form ``mesh[...][, device_ids=(...)] {axis refs}``."""
-    end = _closing(text, 4)
+    end = hlo.closing(text, 4)
     names, sizes = [], []
     for name, size in re.findall(r"'?([^'=,\s]+)'?=(\d+)", text[5:end - 1]):
         names.append(name)
@@ -542,7 +380,7 @@ def _mesh_groups(text: str) -> list[list[int]]:
     ids = np.arange(n)
     m = re.search(r"device_ids=\(", text)
     if m:
-        inner = text[m.end():_closing(text, m.end() - 1) - 1]
+        inner = text[m.end():hlo.closing(text, m.end() - 1) - 1]
         iota = re.fullmatch(r"(?:\[([\d,]+)\]<=)?\[([\d,]+)\](?:T\(([\d,]+)\))?", inner.strip())
         if iota:
             ids = _iota([n], _ints(iota.group(2)), _ints(iota.group(3)))
@@ -572,7 +410,7 @@ def _mesh_groups(text: str) -> list[list[int]]:
 
 
 def _parse_pairs(attrs: str) -> list[tuple[int, int]]:
-    text = _attribute(attrs, "source_target_pairs") or "{}"
+    text = hlo.attribute(attrs, "source_target_pairs") or "{}"
     return [tuple(_ints(p)) for p in re.findall(r"\{(\d+\s*,\s*\d+)\}", text)]
 
 
