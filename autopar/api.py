@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from autopar.cost_model import ClusterSpec, hlo_audit
+from autopar.cost_model import ClusterSpec
 from autopar.cost_model.units import format_bytes
 
 from . import (
@@ -30,6 +30,7 @@ from . import (
 )
 from .constraints import build_mesh
 from .emit import emit
+from .executable import Executable
 from .methods import Method, ShardParallel
 from .passes import fallbacks, inter_op
 from .passes.intra_op import MemoryBudgetError
@@ -93,7 +94,7 @@ class ParallelizedFunction:
             except OtherShapes:
                 pass
         traced, leaves = self._traced(args)
-        if traced.plan.stages:
+        if not traced.executable.one_program:   # the pipeline's schedule, driven from here
             out = traced.executable(*leaves)
             return jax.tree_util.tree_unflatten(traced.out_tree, out)
         donated = set(traced.donated_leaves())
@@ -347,8 +348,9 @@ class ParallelizedFunction:
         return planner.search(program, method, cluster, device_ids, fp=fp,
                               progress=self.progress)
 
-    def _build(self, traced: Traced):
-        """The executable of a traced step on this process's devices."""
+    def _build(self, traced: Traced) -> Executable:
+        """The executable of a traced step on this process's devices: the one place that
+        chooses between a single mesh's program and the pipeline runtime."""
         devices = self._devices()
         donate = traced.donated_leaves()
         if traced.plan.stages:
@@ -383,10 +385,7 @@ def _verify(plan: Plan, program: planner.Program, split: pipeline.SplitStep | No
 def _compiled_peak_bytes(traced: Traced) -> float:
     """The compiled peak per device of a traced plan's step, bytes: the program's
     `memory_analysis()` (one mesh) or the largest stage's (pipelines)."""
-    compiled = traced.lower().compile()
-    if traced.plan.stages:
-        return float(max(compiled.stage_memory_bytes()))
-    return float(hlo_audit.MemoryUsage.of(compiled).total_bytes)
+    return traced.executable.compiled_peak_bytes(traced.lower().compile())
 
 
 # Searches `_fit_compiled_memory` may run for a budgeted plan, and the margin it takes

@@ -16,13 +16,16 @@ from jax.sharding import Mesh, NamedSharding
 from autopar.graph import Graph
 
 from .constraints import Constraints, to_pspec
+from .executable import MeshExecutable
 from .microbatch import ReducedOnce
 from .plan import Plan
 
 
-def emit(graph: Graph, plan: Plan, mesh: Mesh, donate_argnums: Sequence[int] = ()):
-    """Returns a jitted function of the flattened inputs that runs `graph` under `plan`.
-    A micro-batched step reduces each gradient once per step (`microbatch.ReducedOnce`)."""
+def emit(graph: Graph, plan: Plan, mesh: Mesh,
+         donate_argnums: Sequence[int] = ()) -> MeshExecutable:
+    """The executable that runs `graph` under `plan`: one jitted function of the flattened
+    inputs.  A micro-batched step reduces each gradient once per step
+    (`microbatch.ReducedOnce`)."""
     hooks = Constraints.build(graph, mesh, plan.value_specs, plan.operand_specs,
                               input_specs=zip(graph.invars, plan.in_specs))
     once = ReducedOnce.find(graph, plan, mesh)
@@ -34,5 +37,7 @@ def emit(graph: Graph, plan: Plan, mesh: Mesh, donate_argnums: Sequence[int] = (
 
     in_shardings = tuple(NamedSharding(mesh, to_pspec(s)) for s in plan.in_specs)
     out_shardings = tuple(NamedSharding(mesh, to_pspec(s)) for s in plan.out_specs)
-    return jax.jit(program, in_shardings=in_shardings, out_shardings=out_shardings,
-                   donate_argnums=tuple(donate_argnums))
+    return MeshExecutable(jax.jit(program, in_shardings=in_shardings,
+                                  out_shardings=out_shardings,
+                                  donate_argnums=tuple(donate_argnums)),
+                          in_shardings, out_shardings)

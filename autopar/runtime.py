@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.extend.core as jcore
@@ -52,6 +52,9 @@ class PipelineRuntime:
       ties: (step output position, step input position) pairs: the output replaces the input.
       donate: step input positions whose buffers the step may reuse (tied state).
     """
+
+    #: A call drives every stage's programs from Python (`executable.Executable`).
+    one_program: ClassVar[bool] = False
 
     def __init__(self, split: SplitStep, graph: Graph, plan: Plan, meshes: Sequence[Mesh],
                  schedule: Schedule, batch_positions: set[int],
@@ -382,6 +385,11 @@ class PipelineRuntime:
     def lower(self, *args: Any) -> PipelineLowered:
         """Every program of one step, for inspection (`.compile()`)."""
         return PipelineLowered(self)
+
+    def compiled_peak_bytes(self, compiled: PipelineCompiled) -> float:
+        """The largest stage's compiled peak per device (`PipelineCompiled.
+        stage_memory_bytes`), bytes."""
+        return float(max(compiled.stage_memory_bytes()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,11 +9,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import jax
-from jax.sharding import NamedSharding
 
 from autopar.graph import Graph
 
-from .constraints import build_mesh, to_pspec
 from .passes import fallbacks
 from .plan import Plan
 
@@ -61,8 +59,8 @@ class Traced:
 
     @property
     def executable(self):
-        """What runs the plan on this process's devices, built on first use: a jitted
-        function of the flattened arguments (single mesh) or the `PipelineRuntime`."""
+        """What runs the plan on this process's devices (`executable.Executable`), built on
+        first use: a single mesh's jitted program or the `PipelineRuntime`."""
         if self._executable is None:
             with fallbacks.collecting() as found:
                 self._executable = self._step._build(self)
@@ -102,14 +100,9 @@ class Traced:
     def _shardings(self, side: Literal["in", "out"]) -> list[jax.sharding.Sharding]:
         """Flattened input ("in") or output ("out") shardings, computed once."""
         if side not in self._layouts:
-            if self.plan.stages:   # the pipeline runtime decides where values live
-                runtime = self.executable
-                self._layouts[side] = (runtime.input_shardings() if side == "in"
-                                       else runtime.output_shardings())
-            else:
-                mesh = build_mesh(self.plan, self._step._devices())
-                specs = self.plan.in_specs if side == "in" else self.plan.out_specs
-                self._layouts[side] = [NamedSharding(mesh, to_pspec(s)) for s in specs]
+            executable = self.executable
+            self._layouts[side] = (executable.input_shardings() if side == "in"
+                                   else executable.output_shardings())
         return self._layouts[side]
 
     def donated_leaves(self) -> list[int]:
