@@ -55,17 +55,22 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(frozen=True)
 class Try:
     """One micro-batch count tried: its plan's predicted step seconds (None: no plan fits,
-    `error` says why) and the seconds its trace + search (or cache lookup) took."""
+    `error` says why), the seconds its trace + search (or cache lookup) took, and of those
+    the trace's (the step traced at this count's micro-batch size; None where the trace
+    itself failed)."""
 
     num_micro_batches: int
     step_s: float | None
     search_s: float
     error: str = ""
     cached: bool = False
+    trace_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"num_micro_batches": self.num_micro_batches,
                                "step_s": self.step_s, "search_s": round(self.search_s, 3)}
+        if self.trace_s is not None:
+            out["trace_s"] = round(self.trace_s, 3)
         if self.error:
             out["error"] = self.error
         if self.cached:
@@ -282,15 +287,17 @@ def search(step: ParallelizedFunction, dynamic: list, static: tuple, positions: 
         if step.progress:
             step.progress(f"micro-batch count {count} ({len(tries) + 1} tried so far)")
         method_b = dataclasses.replace(method, num_micro_batches=count)
+        trace_s = None
         try:
             traced, split, fp = step._trace_for(dynamic, static, positions, in_tree, count,
                                                 method.pipelined, cluster)
+            trace_s = time.perf_counter() - t0
             with pipeline_search.recording():
                 plan = step._search_cached(method_b, traced, split, fp, cluster, device_ids)
         except (MemoryBudgetError, NoStageLayoutError, MicroBatchError) as err:
             # no layout fits (memory), or the batch does not split: this count is out
             tries.append(Try(count, None, time.perf_counter() - t0,
-                             error=" ".join(str(err).split())[:200]))
+                             error=" ".join(str(err).split())[:200], trace_s=trace_s))
             return None
         if "stage_costs" in plan.solver:
             tables[count] = StageCostTable.from_json(plan.solver["stage_costs"])
@@ -299,7 +306,7 @@ def search(step: ParallelizedFunction, dynamic: list, static: tuple, positions: 
         results[count] = (traced, split, plan)
         cached = bool(plan.solver.get("plan_cache", {}).get("hit"))
         tries.append(Try(count, plan.predicted.step_s, time.perf_counter() - t0,
-                         cached=cached))
+                         cached=cached, trace_s=trace_s))
         if step.progress:
             best = min(t.step_s for t in tries if t.step_s is not None)
             step.progress(f"micro-batch count {count}: {plan.predicted.step_s * 1e3:.3f} ms "

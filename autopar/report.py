@@ -191,6 +191,8 @@ def _search_notes(plan: Plan) -> list[str]:
             mark = "*" if t.get("num_micro_batches") == plan.num_micro_batches else ""
             what = (f"{t['step_s'] * 1e3:.3f} ms" if t.get("step_s") is not None
                     else "no plan fits")
+            if t.get("trace_s") is not None:
+                what += f" ({t['search_s']:.1f} s, trace {t['trace_s']:.1f} s)"
             cells.append(f"B={t['num_micro_batches']}{mark}: {what}")
         lines.append("  micro-batches tried    " + ", ".join(cells))
     found = plan.solver.get("fallbacks", [])

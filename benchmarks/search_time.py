@@ -201,6 +201,8 @@ def _markdown(rows: list[dict], meta: dict) -> str:
             plan += "; tried " + ", ".join(
                 f"B={t['num_micro_batches']}: "
                 + ("no fit" if t["step_s"] is None else f"{t['step_s'] * 1e3:.1f} ms")
+                + (f" in {t['search_s']:.1f} s (trace {t['trace_s']:.1f} s)"
+                   if t.get("trace_s") is not None else "")
                 for t in a["tries"])
         if a.get("bounded"):
             plan += "; bounded out " + ", ".join(

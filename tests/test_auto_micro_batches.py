@@ -81,6 +81,9 @@ def test_auto_on_a_small_gpt_is_the_best_explicit_count(tmp_path, monkeypatch):
                  for count in micro_batches.ladder(8)}
     tried = [t["num_micro_batches"] for t in auto.solver["micro_batch_tries"]]
     bounded = [t["num_micro_batches"] for t in auto.solver["micro_batch_bounded"]]
+    # each try's seconds: its trace at that micro-batch size, then its search
+    assert all(0.0 < t["trace_s"] < t["search_s"] for t in auto.solver["micro_batch_tries"])
+    assert "trace " in autopar.report.summary(auto)
     assert bounded and sorted(tried + bounded) == list(plans)
     best = min(plans, key=lambda c: (plans[c].predicted.step_s, c))
     assert dataclasses.replace(auto, solver={}) == dataclasses.replace(plans[best], solver={})
