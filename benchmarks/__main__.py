@@ -101,11 +101,11 @@ def parts() -> list[Part]:
                     ("solver_tb2_settings.md", "solver_tb2_settings.json"), _tb2_settings_skip))
     # Hours on 2 cores (300 generated cases, each under 4 methods): after the rest.
     out.append(Part("fuzz", (("benchmarks.fuzz",),), ("fuzz.md", "fuzz.json")))
-    # About 45 min on 2 cores (12 generated cases, each under 3 memory-bound pipelines).
     # About 40 min on 2 cores: 45 more seeds (30-74) than fuzz.md's 30, until a 300-case run.
     out.append(Part("fuzz-seeds-30-74", (("benchmarks.fuzz", "--cases", "45", "--seed", "30",
                                           "--name", "fuzz-seeds-30-74"),),
                     ("fuzz-seeds-30-74.md", "fuzz-seeds-30-74.json")))
+    # About 45 min on 2 cores (12 generated cases, each under 3 memory-bound pipelines).
     out.append(Part("fuzz_tight", (("benchmarks.fuzz", "--cases", "12", "--methods",
                                     "pipeshard-1-tight,pipeshard-2-tight,pipeshard-4-tight",
                                     "--timeout-s", "900", "--name", "fuzz_tight"),),
