@@ -15,11 +15,15 @@ answer is the one trying every count would give, found trying few (`bounded`):
   micro-batches, so the stage DP over its costs scaled by the rows, what no layout and no
   count changes kept whole, with the larger count's bubble, is below any plan of that
   count), and a count whose bound is above the best plan found is not searched.  That
-  premise is about the stages `pipeline_search.search` assembles, not a theorem: it
-  holds where the assembly finds, at every count, a stage no slower per row than the
-  stage a larger count's layouts would make (its three alignments of a stage's layers,
-  `pipeline_search.AFTER_TARGETS`); `tests/test_auto_micro_batches.py` checks it on
-  gpt-toy (float32, float16) and a generated tied embedding.
+  premise is about the stages of layer solutions `pipeline_search.search` assembles, not
+  a theorem: it holds where the assembly finds, at every count, a stage no slower per row
+  than the stage a larger count's layouts would make (its three alignments of a stage's
+  layers, `pipeline_search.AFTER_TARGETS`); `tests/test_auto_micro_batches.py` checks it
+  on gpt-toy (float32, float16) and a generated tied embedding.  The assembly may then
+  solve a chosen stage's layers as one program, which only lowers a searched count's
+  plan (`SearchReport.layered_step_s`: the step before): the count kept is then at least
+  as fast as the fastest plan of layer solutions at any count, though a count bounded
+  out might have come lower still that way.
 
 The chosen plan records every try in `Plan.solver["micro_batch_tries"]` (count, predicted
 step seconds or why it failed, search seconds) and the counts left out by their bound in

@@ -66,7 +66,8 @@ def parts() -> list[Part]:
     out = [Part("toy", (("benchmarks", "toy"),), ("toy-cpu-local.md", "toy-cpu-local.json"))]
     for module in ("runtime_overhead", "pipeline_search", "checkpoint_io",
                    "cost_model_accuracy", "gpu_accuracy", "search_time",
-                   "intra_op_reference", "intra_op_generated", "bound_premise"):
+                   "intra_op_reference", "intra_op_generated", "bound_premise",
+                   "layering_gap"):
         files = (f"{module}.md", f"{module}.json")
         if module == "cost_model_accuracy":
             files += (f"{module}.png",)

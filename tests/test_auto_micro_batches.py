@@ -92,14 +92,14 @@ def test_auto_on_a_small_gpt_is_the_best_explicit_count(tmp_path, monkeypatch):
               for c, p in plans.items()}
     for b, table in tables.items():
         assert table.num_micro_batches == b
-        assert table.step_s == plans[b].predicted.step_s
+        assert table.step_s == _layered_s(plans[b])
         assert table.fixed_s and all(0.0 < table.fixed_s[k] <= c
                                      for k, c in table.least_s.items() if c is not None)
         unfixed = dataclasses.replace(table, fixed_s={})
         for count, plan in plans.items():
             bound = micro_batches.lower_bound_s([table], count)
             assert (bound is None) == (count < b)
-            assert bound is None or bound <= plan.predicted.step_s * (1 + 1e-9)
+            assert bound is None or bound <= _layered_s(plan) * (1 + 1e-9)
             # the fixed part kept whole only tightens the bound
             loose = micro_batches.lower_bound_s([unfixed], count)
             assert bound is None or bound >= loose * (1 - 1e-12)
@@ -107,7 +107,7 @@ def test_auto_on_a_small_gpt_is_the_best_explicit_count(tmp_path, monkeypatch):
         # every table at once: each range's largest floor
         every = micro_batches.lower_bound_s(list(tables.values()), count)
         alone = [micro_batches.lower_bound_s([t], count) for t in tables.values()]
-        assert every <= plan.predicted.step_s * (1 + 1e-9)
+        assert every <= _layered_s(plan) * (1 + 1e-9)
         assert every >= max(a for a in alone if a is not None) * (1 - 1e-12)
 
 
@@ -170,6 +170,15 @@ def test_a_pipeline_over_several_hosts_receives_from_another_host_somewhere():
         table, tied_s={(1, 2): 1.5})], 4) == pytest.approx(23.5)
 
 
+def _layered_s(plan: autopar.Plan) -> float:
+    """The step of `plan`'s layer solutions, which the tables bound: before the assembly
+    solved a stage's layers as one program (`SearchReport.layered_step_s`), which only
+    lowers it."""
+    layered = plan.solver.get("layered_step_s", plan.predicted.step_s)
+    assert layered >= plan.predicted.step_s
+    return layered
+
+
 def _plans_and_tables(batch: int, cluster: autopar.ClusterSpec, overrides=None
                       ) -> tuple[dict[int, autopar.Plan], list[pipeline_search.StageCostTable]]:
     """gpt-toy's plan at every count of `micro_batches.ladder(batch)`, and their tables."""
@@ -193,8 +202,8 @@ def _assert_every_bound_below(plans: dict[int, autopar.Plan],
     for table in tables:
         for count, plan in plans.items():
             bound = micro_batches.lower_bound_s([table], count)
-            assert bound is None or bound <= plan.predicted.step_s * (1 + 1e-9), \
-                (table.num_micro_batches, count, bound, plan.predicted.step_s)
+            assert bound is None or bound <= _layered_s(plan) * (1 + 1e-9), \
+                (table.num_micro_batches, count, bound, _layered_s(plan))
 
 
 def test_every_bound_is_below_the_searched_plans_in_float16(tmp_path, monkeypatch):
@@ -240,5 +249,5 @@ def test_every_bound_is_below_the_searched_plans_on_several_hosts(tmp_path, monk
             bound = micro_batches.lower_bound_s([table], count)
             assert (bound is None) == (count < table.num_micro_batches)
             if bound is not None:
-                assert bound <= plan.predicted.step_s * (1 + 1e-9)
+                assert bound <= _layered_s(plan) * (1 + 1e-9)
                 assert bound >= micro_batches.lower_bound_s([plain], count) * (1 - 1e-12)

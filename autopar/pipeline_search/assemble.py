@@ -24,16 +24,19 @@ from .transfers import StageLayouts, _with_transfers
 
 def _assemble(choice: Sequence[tuple[tuple[int, int], tuple[int, int]]], ctx: SearchContext,
               costs: StageCosts, refine: bool = False
-              ) -> tuple[list[StagePlan], float, float, list[dict[str, Any]]]:
+              ) -> tuple[list[StagePlan], float, float, list[dict[str, Any]], float]:
     """The plan's stages for `choice` ((first, last) layer, sub-mesh shape) per stage, with
     their transfers priced from both stages' layouts (`_with_transfers`): (stages, seconds
-    per step of per-step moves, step seconds, the priced transfers).
+    per step of per-step moves, step seconds, the priced transfers, the step seconds of
+    the plan of layer solutions: before any stage was solved as one program).
 
     Each stage starts as its fastest option that fits (`StageCosts.fitting`), chosen alone;
     with `refine`, one stage at a time then takes whichever of its other options that fit
     (`StageCosts.alternatives`) makes the whole step fastest, the others kept, until none
     does (at most REFINE_ROUNDS rounds): what a stage sends and receives depends on its
-    neighbours' layouts, which the stage alone does not see."""
+    neighbours' layouts, which the stage alone does not see.  Then the same again with each
+    stage's layers also solved as one program (`StageCosts.joint_alternatives`: one ILP
+    over the stage's equations, where each layer's own ILP saw only its part)."""
     graph, micro = ctx.graph, ctx.micro
     devices = inter_op.assign_devices([s for _, s in choice], ctx.hosts, ctx.per_host)
     in_flight = [micro if ctx.gpipe else len(choice) - k for k in range(len(choice))]
@@ -53,22 +56,36 @@ def _assemble(choice: Sequence[tuple[tuple[int, int], tuple[int, int]]], ctx: Se
         times = [st.predicted_s for st in stages]
         return stages, per_step_s, sum(times) + (micro - 1) * max(times) + per_step_s, transfers
 
+    def improved(best, built, kept, others):
+        for _ in range(REFINE_ROUNDS if any(others) else 0):
+            changed = False
+            for k, options in enumerate(others):
+                for o in options:
+                    trial = list(built)
+                    trial[k] = build(o, choice[k][0], devices[k], in_flight[k])
+                    step = priced(trial)
+                    if step[2] < best[2] * (1 - REFINE_GAIN):
+                        best, built, changed = step, trial, True
+                        kept = [*kept[:k], o, *kept[k + 1:]]
+            if not changed:
+                break
+        return best, built, kept
+
     best = priced(built)
-    others = [] if not refine else [
-        [o for o in costs.alternatives(*layers, submesh, flight) if o is not pick]
-        for (layers, submesh), flight, pick in zip(choice, in_flight, picks)]
-    for _ in range(REFINE_ROUNDS if any(others) else 0):
-        changed = False
-        for k, options in enumerate(others):
-            for o in options:
-                trial = list(built)
-                trial[k] = build(o, choice[k][0], devices[k], in_flight[k])
-                step = priced(trial)
-                if step[2] < best[2] * (1 - REFINE_GAIN):
-                    best, built, changed = step, trial, True
-        if not changed:
-            break
-    return best
+    if not refine:
+        return (*best, best[2])
+    others = [[o for o in costs.alternatives(*layers, submesh, flight) if o is not pick]
+              for (layers, submesh), flight, pick in zip(choice, in_flight, picks)]
+    best, built, kept = improved(best, built, picks, others)
+    layered_s = best[2]
+    for layers, submesh in choice:     # the stages as one program each, solved side by side
+        if costs.joinable(*layers):
+            costs.layers.start_joint(*layers, submesh)
+    joint = [costs.joint_alternatives(*layers, submesh, flight)
+             for (layers, submesh), flight in zip(choice, in_flight)]
+    if any(joint):
+        best, _, _ = improved(best, built, kept, [a + j for a, j in zip(others, joint)])
+    return (*best, layered_s)
 
 
 # `_assemble`'s refinement: rounds over the stages at most, and the relative gain in step
@@ -98,12 +115,15 @@ def _stage_plan(best: StageEstimate, layers: tuple[int, int], devs: Sequence[int
     mesh = best.priced[0].mesh
     states = {vid: spec for vid, (spec, _) in state_layouts(
         best.priced, best.programs, params, graph, best.zero).items()}
+    # One solution per layer, or one for the stage's layers solved as one program.
+    bounds = (ranges[layers[0]:layers[1] + 1]
+              if len(best.priced) == layers[1] - layers[0] + 1 else [(start, stop)])
     layer_plans = tuple(
-        LayerPlan(eqn_range=ranges[k], value_specs=p.value_specs,
+        LayerPlan(eqn_range=rng, value_specs=p.value_specs,
                   operand_specs=p.operand_specs, num_values=p.num_values,
                   predicted_s=p.cost_s, remat=again)
-        for k, p, again in zip(range(layers[0], layers[1] + 1), best.priced,
-                                best.remat or (False,) * len(best.priced)))
+        for rng, p, again in zip(bounds, best.priced, best.remat or (False,) * len(best.priced),
+                                 strict=True))
     stage = StagePlan(
         layers=tuple(layers), eqn_range=(start, stop),
         device_ids=tuple(device_ids[d] for d in devs), mesh_shape=mesh.shape,

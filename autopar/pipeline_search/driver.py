@@ -89,6 +89,9 @@ class SearchReport:
       transfers: the priced transfers between stages (`transfers._with_transfers`).
       stage_candidates: pipelines considered for assembly (the DP's and the uniform ones).
       stage_costs: what the stage DP priced, under `recording` (else None).
+      layered_step_s: where the assembly solved a stage's layers as one program
+        (`StageCosts.joint_alternatives`), the step seconds of the plan before it did:
+        the plan of layer solutions, which `stage_costs` bound; else None.
     """
 
     layers: int
@@ -100,6 +103,7 @@ class SearchReport:
     transfers: Sequence[Mapping[str, Any]]
     stage_candidates: int
     stage_costs: StageCostTable | None = None
+    layered_step_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {"layers": self.layers, "layering": self.layering,
@@ -108,6 +112,8 @@ class SearchReport:
                "transfers": list(self.transfers), "stage_candidates": self.stage_candidates}
         if self.stage_costs is not None:
             out["stage_costs"] = self.stage_costs.to_json()
+        if self.layered_step_s is not None:
+            out["layered_step_s"] = self.layered_step_s
         return out
 
 
@@ -145,14 +151,16 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
         layers.start_all()
         phases["layer ILP builds"] = time.perf_counter() - t_phase
         choices = _choose_stages(ctx, costs)
+        phases.update(choices.phases_s)
+        t_phase = time.perf_counter()
+        # (the assembly may solve a stage's layers as one program: the pool stays open)
+        stages, per_step_s, step_s, transfers, layered_s = _assemble_fastest(
+            ctx, costs, choices.candidates)
+        phases["stage assembly"] = time.perf_counter() - t_phase
     except BaseException:
         layers.close(cancel=True)
         raise
     layers.close()  # waits for solves still queued (their answers are cached)
-    phases.update(choices.phases_s)
-    t_phase = time.perf_counter()
-    stages, per_step_s, step_s, transfers = _assemble_fastest(ctx, costs, choices.candidates)
-    phases["stage assembly"] = time.perf_counter() - t_phase
     if progress:
         progress(f"stages chosen: {[st.layers for st in stages]}"
                  + (f" (fastest of {len(choices.candidates)} assembled)"
@@ -163,12 +171,13 @@ def search(split: pipeline.SplitStep, method: PipelineMethod,
     micro, n = ctx.micro, ctx.num_devices
     compute = micro * max(st.predicted_s - st.transfer_s for st in stages)
     layout = ctx.layout
-    recorded = (costs.table(step_s) if _recording.get() and layout.submesh_shapes is None
+    recorded = (costs.table(layered_s) if _recording.get() and layout.submesh_shapes is None
                 and not layout.equal_layers else None)
     report = SearchReport(
         layers=ctx.num_layers, layering=ctx.layering.source, layer_solves=layers.solves,
         search_s=time.perf_counter() - t0, phases_s=phases, per_step_transfer_s=per_step_s,
-        transfers=transfers, stage_candidates=len(choices.candidates), stage_costs=recorded)
+        transfers=transfers, stage_candidates=len(choices.candidates), stage_costs=recorded,
+        layered_step_s=layered_s if layered_s != step_s else None)
     return Plan(
         fingerprint=fp, method=method.name, cluster=cluster.name, mesh_shape=(n,),
         mesh_axes=("x",), device_ids=tuple(device_ids), input_names=tuple(input_names),

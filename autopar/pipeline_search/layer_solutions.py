@@ -9,6 +9,7 @@ stage's cost asks for them."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from autopar import pipeline
 from autopar.layer import LayerProgram
@@ -76,6 +77,11 @@ class LayerSolutions:
         self._chains: dict[tuple, tuple[list[LayerCost], Edges]] = {}
         self._neighbour_solves: dict[tuple, LayerCost | None] = {}
         self._updates: dict[tuple[int, tuple[int, int], tuple[int, ...], int], float] = {}
+        # Per (first layer, last layer, sub-mesh): the range as one program and its key;
+        # per key, its solutions per logical shape (or the call that waits for them).
+        self._joint: dict[tuple[int, int, tuple[int, int]],
+                          tuple[pipeline.StageProgram, tuple[str, tuple[int, int]]]] = {}
+        self._joint_solves: dict[tuple[str, tuple[int, int]], Any] = {}
 
     @property
     def solves(self) -> int:
@@ -171,6 +177,37 @@ class LayerSolutions:
                                f"sub-mesh {submesh}, best {best.cost_s * 1e3:.3f} ms/mb on "
                                f"{best.mesh.shape}")
         return self._cache[key]
+
+    def start_joint(self, i: int, j: int, submesh: tuple[int, int]) -> None:
+        """Layers i..j as one program (their equations together), its forward+backward's
+        time-optimal ILPs on `submesh` (one per logical mesh shape; the stage's variant:
+        rematerialized with `always_remat`) handed to the pool (`joint` waits for them):
+        once per distinct program and sub-mesh, as for layers (`reuse._program_key`)."""
+        if (i, j, submesh) in self._joint:
+            return
+        ctx = self.ctx
+        prog = pipeline.program_for_range(ctx.graph, ctx.ranges[i][0], ctx.ranges[j][1])
+        key = (_program_key(ctx.graph, prog, ctx.diff), submesh)
+        if key not in self._joint_solves:
+            if self._progress:
+                self._progress(f"stage ILP: layers {i}-{j} as one program on sub-mesh "
+                               f"{submesh}")
+            traced = LayerProgram.build(ctx.graph, prog, ctx.diff, remat=ctx.always_remat)
+            self._joint_solves[key] = self._start_ilps(prog, traced, submesh, 0,
+                                                       ctx.fixed_shape)
+        self._joint[(i, j, submesh)] = (prog, key)
+
+    def joint(self, i: int, j: int, submesh: tuple[int, int]
+              ) -> tuple[pipeline.StageProgram, dict[tuple[int, ...], LayerCost]]:
+        """Layers i..j as one program and its solutions per logical mesh shape
+        (`start_joint`; waits for them): `StageCosts.joint_alternatives`."""
+        self.start_joint(i, j, submesh)
+        prog, key = self._joint[(i, j, submesh)]
+        solved = self._joint_solves[key]
+        if callable(solved):
+            solved = {shape: p for shape, p in solved().items() if not p.penalized}
+            self._joint_solves[key] = solved
+        return prog, solved
 
     def knee(self, submesh: tuple[int, int]) -> float | None:
         """`knee_price` of the layers' time-optimal and lean solutions on `submesh` (every

@@ -25,13 +25,24 @@ from .transfers import least_transfer_s, transfer_s
 RangeKey = tuple[int, int, tuple[int, int]]
 
 
+#: The most equations of F a stage may have to be solved as one program
+#: (`StageCosts.joint_alternatives`): a bound on that ILP's size, about one layer ILP of
+#: the zoo's GPTs (their layers: 206-363 equations), so a joint solve costs about one more
+#: such solve per stage; larger stages (GPT-39B's of 2 layers: 618 equations and up, on
+#: each logical mesh of their sub-mesh) keep their layer solutions, whose identical layers
+#: share one solve.
+JOINT_MAX_EQNS = 400
+
+
 @dataclasses.dataclass(frozen=True)
 class StageCostTable:
     """What one pipeline search's stage DP priced (`recording`), for `num_micro_batches`
     micro-batches of the step: per layer range and sub-mesh it asked, the seconds per
     micro-batch of the range's fastest time-optimal layouts on it (memory not checked) with
-    its activations received as fast as they can be (None: no such layout), and the
-    plan's predicted step seconds.  Every stage a plan can hold takes at least that long.
+    its activations received as fast as they can be (None: no such layout), and the step
+    seconds of the plan of layer solutions (`Plan.predicted` unless the assembly solved a
+    stage's layers as one program: `SearchReport.layered_step_s`).  Every stage of layer
+    solutions a plan can hold takes at least that long.
 
     `fixed_s`: per layer range and sub-mesh, seconds per micro-batch of that least time
     that no layout goes below and no micro-batch count changes (its layers'
@@ -152,14 +163,48 @@ class StageCosts:
         pays), once per layer reading a parameter: the stage takes theirs off and prices
         its own, each parameter once, under each mode ("all": every state split, for
         memory)."""
-        ctx = self.ctx
-        layers_s = (sum(p.cost_s for p in priced) + internal_reshard_s(priced, progs, ctx.graph)
+        layers_s = (sum(p.cost_s for p in priced) + internal_reshard_s(priced, progs,
+                                                                       self.ctx.graph)
                     - sum(self.layers.updates_s(k, submesh, p)
                           for k, p in enumerate(priced, start=i)))
+        return self._per_mode(priced, progs, layers_s, remat)
+
+    def _per_mode(self, priced: list[LayerCost], progs: list[pipeline.StageProgram],
+                  layers_s: float, remat: tuple[bool, ...]) -> list[StageEstimate]:
+        """The stage of these solutions, `layers_s` seconds per micro-batch without its
+        updates, under each optimizer-state mode (its updates priced under that mode)."""
+        ctx = self.ctx
         return [StageEstimate(priced, progs,
                                layers_s + updates_s(priced, progs, ctx.params, ctx.graph,
                                                     ctx.splits[m], ctx.micro),
                                ctx.splits[m], remat) for m in ctx.modes]
+
+    def joinable(self, i: int, j: int) -> bool:
+        """Whether layers i..j may be solved as one program (`joint_alternatives`)."""
+        return i < j and self.ctx.ranges[j][1] - self.ctx.ranges[i][0] <= JOINT_MAX_EQNS
+
+    def joint_alternatives(self, i: int, j: int, submesh: tuple[int, int], in_flight: int
+                           ) -> list[StageEstimate]:
+        """Layers i..j solved as one program by one ILP (`LayerSolutions.joint`), which
+        sees all the stage's equations at once where each layer's own ILP saw only its
+        part: per logical mesh, its fastest optimizer-state mode that fits with
+        `in_flight` micro-batches in flight.  None for one layer, or for a range of more
+        than `JOINT_MAX_EQNS` equations."""
+        ctx = self.ctx
+        if not self.joinable(i, j):
+            return []
+        prog, solved = self.layers.joint(i, j, submesh)
+        whole = ctx.whole(i, j, submesh)
+        out = []
+        for p in solved.values():
+            charged = updates_s([p], [prog], ctx.params, ctx.graph, ctx.splits[ctx.modes[0]],
+                                ctx.micro, per_layer=True)
+            fit = [o for o in self._per_mode([p], [prog], p.cost_s - charged,
+                                             (ctx.always_remat,))
+                   if self.fits(o, in_flight, whole)]
+            if fit:
+                out.append(min(fit, key=lambda o: o.cost_s))
+        return sorted(out, key=lambda o: o.cost_s)
 
     def _rematerialized(self, i: int, j: int, submesh: tuple[int, int], level: int,
                         options: list[StageEstimate], in_flight: int, whole: bool
