@@ -79,6 +79,18 @@ def _range(ids: Sequence[int]) -> str:
     return ",".join(map(str, ids[:4])) + (",..." if len(ids) > 4 else "")
 
 
+def _joint_lines(plan: Plan) -> list[str]:
+    """The stages whose layers were solved as one program (one `LayerPlan` over several
+    layers), and the step the plan of layer solutions had; none when no stage was."""
+    joint = [k for k, st in enumerate(plan.stages)
+             if len(st.layer_plans) < st.layers[1] - st.layers[0] + 1]
+    layered = plan.solver.get("layered_step_s")
+    if not joint or layered is None:
+        return []
+    return [f"  stage{'s' if len(joint) > 1 else ''} {_range(joint)} solved as one program "
+            f"each (the layers' own solutions: {layered * 1e3:.3f} ms per step)"]
+
+
 def _remat_lines(stages: Sequence[StagePlan]) -> list[str]:
     """Per stage with rematerialized layers, which (`LayerPlan.remat`); none when no
     layer is."""
@@ -136,6 +148,7 @@ def summary(plan: Plan) -> str:
                      f"{plan.mesh_shape} {','.join(plan.mesh_axes)}",
                      f"{p.step_s * 1e3:.3f} ms", mem_of(p.memory_bytes)])
     lines += _table(rows, right={5})
+    lines += _joint_lines(plan)
     lines += _remat_lines(plan.stages)
     flops, source = step_flops(plan)
     if plan.stages:   # pipelines: the busiest stage's micro-batches, and the rest

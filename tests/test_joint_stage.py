@@ -31,6 +31,8 @@ def test_a_stage_of_disagreeing_layers_is_solved_as_one_program(monkeypatch):
     # measured 0.53 of the plan of layer solutions (cpu-local, 8 devices)
     assert plan.predicted.step_s < 0.8 * plan.solver["layered_step_s"]
     assert plan.predicted.memory_bytes == stage.memory_bytes
+    assert "stage 0 solved as one program each (the layers' own solutions: " \
+        f"{plan.solver['layered_step_s'] * 1e3:.3f} ms per step)" in autopar.report.summary(plan)
 
     # Without joint solves: the plan of layer solutions, one solution per layer, at the
     # step the joint plan recorded for it.
@@ -40,6 +42,7 @@ def test_a_stage_of_disagreeing_layers_is_solved_as_one_program(monkeypatch):
     assert layered.predicted.step_s == pytest.approx(plan.solver["layered_step_s"], rel=1e-9)
     (kept,) = layered.stages
     assert len(kept.layer_plans) == kept.layers[1] - kept.layers[0] + 1
+    assert "solved as one program" not in autopar.report.summary(layered)
 
 
 def test_a_stage_of_one_layer_or_of_agreeing_layers_keeps_its_layer_solutions(monkeypatch):
