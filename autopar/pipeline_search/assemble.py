@@ -35,8 +35,9 @@ def _assemble(choice: Sequence[tuple[tuple[int, int], tuple[int, int]]], ctx: Se
     (`StageCosts.alternatives`) makes the whole step fastest, the others kept, until none
     does (at most REFINE_ROUNDS rounds): what a stage sends and receives depends on its
     neighbours' layouts, which the stage alone does not see.  Then the same again with each
-    stage's layers also solved as one program (`StageCosts.joint_alternatives`: one ILP
-    over the stage's equations, where each layer's own ILP saw only its part)."""
+    stage's layers also solved as one program on the logical mesh they took
+    (`StageCosts.joint_alternatives`: one ILP over the stage's equations, where each
+    layer's own ILP saw only its part)."""
     graph, micro = ctx.graph, ctx.micro
     devices = inter_op.assign_devices([s for _, s in choice], ctx.hosts, ctx.per_host)
     in_flight = [micro if ctx.gpipe else len(choice) - k for k in range(len(choice))]
@@ -78,11 +79,14 @@ def _assemble(choice: Sequence[tuple[tuple[int, int], tuple[int, int]]], ctx: Se
               for (layers, submesh), flight, pick in zip(choice, in_flight, picks)]
     best, built, kept = improved(best, built, picks, others)
     layered_s = best[2]
-    for layers, submesh in choice:     # the stages as one program each, solved side by side
+    # Each stage as one program on the logical mesh its layer solutions took (solved side
+    # by side).
+    shapes = [o.priced[0].mesh.shape for o in kept]
+    for (layers, submesh), shape in zip(choice, shapes):
         if costs.joinable(*layers):
-            costs.layers.start_joint(*layers, submesh)
-    joint = [costs.joint_alternatives(*layers, submesh, flight)
-             for (layers, submesh), flight in zip(choice, in_flight)]
+            costs.layers.start_joint(*layers, submesh, shape)
+    joint = [costs.joint_alternatives(*layers, submesh, flight, shape)
+             for (layers, submesh), flight, shape in zip(choice, in_flight, shapes)]
     if any(joint):
         best, _, _ = improved(best, built, kept, [a + j for a, j in zip(others, joint)])
     return (*best, layered_s)

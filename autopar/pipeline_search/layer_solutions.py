@@ -77,11 +77,10 @@ class LayerSolutions:
         self._chains: dict[tuple, tuple[list[LayerCost], Edges]] = {}
         self._neighbour_solves: dict[tuple, LayerCost | None] = {}
         self._updates: dict[tuple[int, tuple[int, int], tuple[int, ...], int], float] = {}
-        # Per (first layer, last layer, sub-mesh): the range as one program and its key;
-        # per key, its solutions per logical shape (or the call that waits for them).
-        self._joint: dict[tuple[int, int, tuple[int, int]],
-                          tuple[pipeline.StageProgram, tuple[str, tuple[int, int]]]] = {}
-        self._joint_solves: dict[tuple[str, tuple[int, int]], Any] = {}
+        # Per (first layer, last layer, sub-mesh, logical shape): the range as one program
+        # and its key; per key, its solution (or the call that waits for it).
+        self._joint: dict[tuple, tuple[pipeline.StageProgram, tuple]] = {}
+        self._joint_solves: dict[tuple, Any] = {}
 
     @property
     def solves(self) -> int:
@@ -178,31 +177,33 @@ class LayerSolutions:
                                f"{best.mesh.shape}")
         return self._cache[key]
 
-    def start_joint(self, i: int, j: int, submesh: tuple[int, int]) -> None:
+    def start_joint(self, i: int, j: int, submesh: tuple[int, int],
+                    shape: tuple[int, ...]) -> None:
         """Layers i..j as one program (their equations together), its forward+backward's
-        time-optimal ILPs on `submesh` (one per logical mesh shape; the stage's variant:
-        rematerialized with `always_remat`) handed to the pool (`joint` waits for them):
-        once per distinct program and sub-mesh, as for layers (`reuse._program_key`)."""
-        if (i, j, submesh) in self._joint:
+        time-optimal ILP on `submesh` as logical mesh `shape` (the stage's variant:
+        rematerialized with `always_remat`) handed to the pool (`joint` waits for it):
+        once per distinct program, sub-mesh and shape, as for layers
+        (`reuse._program_key`)."""
+        if (i, j, submesh, shape) in self._joint:
             return
         ctx = self.ctx
         prog = pipeline.program_for_range(ctx.graph, ctx.ranges[i][0], ctx.ranges[j][1])
-        key = (_program_key(ctx.graph, prog, ctx.diff), submesh)
+        key = (_program_key(ctx.graph, prog, ctx.diff), submesh, shape)
         if key not in self._joint_solves:
             if self._progress:
                 self._progress(f"stage ILP: layers {i}-{j} as one program on sub-mesh "
-                               f"{submesh}")
+                               f"{submesh}, logical mesh {shape}")
             traced = LayerProgram.build(ctx.graph, prog, ctx.diff, remat=ctx.always_remat)
-            self._joint_solves[key] = self._start_ilps(prog, traced, submesh, 0,
-                                                       ctx.fixed_shape)
-        self._joint[(i, j, submesh)] = (prog, key)
+            self._joint_solves[key] = self._start_ilps(prog, traced, submesh, 0, [shape])
+        self._joint[(i, j, submesh, shape)] = (prog, key)
 
-    def joint(self, i: int, j: int, submesh: tuple[int, int]
+    def joint(self, i: int, j: int, submesh: tuple[int, int], shape: tuple[int, ...]
               ) -> tuple[pipeline.StageProgram, dict[tuple[int, ...], LayerCost]]:
-        """Layers i..j as one program and its solutions per logical mesh shape
-        (`start_joint`; waits for them): `StageCosts.joint_alternatives`."""
-        self.start_joint(i, j, submesh)
-        prog, key = self._joint[(i, j, submesh)]
+        """Layers i..j as one program and its solution on logical mesh `shape` (none
+        where it carries a penalty; `start_joint`, waits for it):
+        `StageCosts.joint_alternatives`."""
+        self.start_joint(i, j, submesh, shape)
+        prog, key = self._joint[(i, j, submesh, shape)]
         solved = self._joint_solves[key]
         if callable(solved):
             solved = {shape: p for shape, p in solved().items() if not p.penalized}

@@ -183,17 +183,17 @@ class StageCosts:
         """Whether layers i..j may be solved as one program (`joint_alternatives`)."""
         return i < j and self.ctx.ranges[j][1] - self.ctx.ranges[i][0] <= JOINT_MAX_EQNS
 
-    def joint_alternatives(self, i: int, j: int, submesh: tuple[int, int], in_flight: int
-                           ) -> list[StageEstimate]:
-        """Layers i..j solved as one program by one ILP (`LayerSolutions.joint`), which
-        sees all the stage's equations at once where each layer's own ILP saw only its
-        part: per logical mesh, its fastest optimizer-state mode that fits with
+    def joint_alternatives(self, i: int, j: int, submesh: tuple[int, int], in_flight: int,
+                           shape: tuple[int, ...]) -> list[StageEstimate]:
+        """Layers i..j solved as one program by one ILP on logical mesh `shape`
+        (`LayerSolutions.joint`), which sees all the stage's equations at once where each
+        layer's own ILP saw only its part: its fastest optimizer-state mode that fits with
         `in_flight` micro-batches in flight.  None for one layer, or for a range of more
         than `JOINT_MAX_EQNS` equations."""
         ctx = self.ctx
         if not self.joinable(i, j):
             return []
-        prog, solved = self.layers.joint(i, j, submesh)
+        prog, solved = self.layers.joint(i, j, submesh, shape)
         whole = ctx.whole(i, j, submesh)
         out = []
         for p in solved.values():
