@@ -52,7 +52,6 @@ from .compute import compute_time_s
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective instruction of the audited module (per-device figures).

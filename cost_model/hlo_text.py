@@ -168,5 +168,3 @@ def kernel_kind(opcode: str, attrs: str) -> str | None:
     target = attribute(attrs, "custom_call_target") or ""
     return next((k for prefix, k in KERNEL_CALL_TARGETS if target.strip('"').startswith(prefix)),
                 None)
-
-
