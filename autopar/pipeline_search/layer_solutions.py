@@ -206,7 +206,7 @@ class LayerSolutions:
         prog, key = self._joint[(i, j, submesh, shape)]
         solved = self._joint_solves[key]
         if callable(solved):
-            solved = {shape: p for shape, p in solved().items() if not p.penalized}
+            solved = {mesh: p for mesh, p in solved().items() if not p.penalized}
             self._joint_solves[key] = solved
         return prog, solved
 

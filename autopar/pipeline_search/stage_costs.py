@@ -28,9 +28,8 @@ RangeKey = tuple[int, int, tuple[int, int]]
 #: The most equations of F a stage may have to be solved as one program
 #: (`StageCosts.joint_alternatives`): a bound on that ILP's size, about one layer ILP of
 #: the zoo's GPTs (their layers: 206-363 equations), so a joint solve costs about one more
-#: such solve per stage; larger stages (GPT-39B's of 2 layers: 618 equations and up, on
-#: each logical mesh of their sub-mesh) keep their layer solutions, whose identical layers
-#: share one solve.
+#: such solve per stage; larger stages (GPT-39B's of 2 layers: 618 equations and up) keep
+#: their layer solutions, whose identical layers share one solve.
 JOINT_MAX_EQNS = 400
 
 
