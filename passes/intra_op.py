@@ -20,7 +20,7 @@ import math
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -127,7 +127,8 @@ def start(graph: Graph, mesh: MeshContext, *,
           value_costs: Mapping[int, Callable[[Spec], float]] | None = None,
           submit: Submit | None = None,
           retry_time_limit_s: float | None = None,
-          builds: BuildCache | None = None) -> PendingRun:
+          builds: BuildCache | None = None,
+          awaited: Collection[int] = ()) -> PendingRun:
     """`run` in two halves: builds the problem now and, given `submit`, hands it to a
     solver running elsewhere; `.result()` waits for the answer and reads the plan off it
     (re-solving here with the memory rows if the answer does not fit the budget).
@@ -156,11 +157,15 @@ def start(graph: Graph, mesh: MeshContext, *,
         exact solver had no time for it, as on a loaded machine.
       builds: where to keep the built problem for later calls on the same graph and mesh
         that differ only in `traffic` and `value_costs` (`BuildCache`).
+      awaited: output value ids that work outside the program waits for as soon as they
+        are made (a pipeline layer's activations and input cotangents): a reduction that
+        makes one pays its whole latency, as one a matmul reads does, rather than a share
+        of a combined bucket (`memory.analyze`).
     """
     t0 = time.perf_counter()
-    builder = (builds.builder(graph, mesh, forced, ties, batch_size, comm_scale)
+    builder = (builds.builder(graph, mesh, forced, ties, batch_size, comm_scale, awaited)
                if builds is not None else _built(graph, mesh, forced, ties, batch_size,
-                                                 comm_scale))
+                                                 comm_scale, awaited=awaited))
     builder.add_traffic(traffic or {})
     builder.add_value_costs(value_costs or {})
     # Solve without the memory rows first: most plans fit, and the unconstrained problem
@@ -417,7 +422,7 @@ class BuildCache:
 
     def __init__(self) -> None:
         self._entries: dict[tuple, list[tuple[Graph, MeshContext, ProblemBuilder]]] = {}
-        self._buffers: dict[tuple[int, bool], tuple[Graph, mem.BufferInfo]] = {}
+        self._buffers: dict[tuple[int, bool, frozenset[int]], tuple[Graph, mem.BufferInfo]] = {}
         # Per logical mesh: the dot strategies every build on it has enumerated
         # (`ProblemBuilder.dot_strategies`), shared by the layers of one search.
         self._dots: dict[tuple[int, ...], list[tuple[MeshContext, dict]]] = {}
@@ -425,10 +430,13 @@ class BuildCache:
 
     def builder(self, graph: Graph, mesh: MeshContext, forced: Mapping[int, Spec] | None,
                 ties: Sequence[tuple[int, int]], batch_size: int | None,
-                comm_scale: Mapping[int, float] | None) -> ProblemBuilder:
+                comm_scale: Mapping[int, float] | None, awaited: Collection[int] = ()
+                ) -> ProblemBuilder:
         """A fresh copy of `_built(...)` for these inputs, built on the first call."""
+        awaited = frozenset(awaited)
         key = (id(graph), mesh.shape, tuple(sorted((forced or {}).items())),
-               tuple(map(tuple, ties)), batch_size, tuple(sorted((comm_scale or {}).items())))
+               tuple(map(tuple, ties)), batch_size, tuple(sorted((comm_scale or {}).items())),
+               awaited)
         entries = self._entries.setdefault(key, [])
         for g, m, base in entries:
             if g is graph and m == mesh:
@@ -436,7 +444,7 @@ class BuildCache:
                 return base.fork()
         # The buffer analysis reads the graph and the device kind only: one per graph and
         # kind, whatever the mesh's shape.
-        bkey = (id(graph), cpu_buffers(mesh))
+        bkey = (id(graph), cpu_buffers(mesh), awaited)
         found = self._buffers.get(bkey)
         shared = found[1] if found is not None and found[0] is graph else None
         dots = self._dots.setdefault(mesh.shape, [])
@@ -445,7 +453,7 @@ class BuildCache:
             memo = {}
             dots.append((mesh, memo))
         base = _built(graph, mesh, forced, ties, batch_size, comm_scale, buffers=shared,
-                      dots=memo)
+                      dots=memo, awaited=awaited)
         if shared is None:
             self._buffers[bkey] = (graph, base.buffers)
         entries.append((graph, mesh, base))
@@ -456,12 +464,13 @@ def _built(graph: Graph, mesh: MeshContext, forced: Mapping[int, Spec] | None,
            ties: Sequence[tuple[int, int]], batch_size: int | None,
            comm_scale: Mapping[int, float] | None = None,
            buffers: mem.BufferInfo | None = None,
-           dots: dict | None = None) -> ProblemBuilder:
+           dots: dict | None = None, awaited: Collection[int] = ()) -> ProblemBuilder:
     """The problem builder with every group and edge, ties included (`buffers`: the
-    graph's `memory.analyze`, when the caller has it; `dots`: a dot-strategy memo shared
-    with other builds on the same mesh, `ProblemBuilder.dot_strategies`)."""
+    graph's `memory.analyze` with `awaited`, when the caller has it; `dots`: a
+    dot-strategy memo shared with other builds on the same mesh,
+    `ProblemBuilder.dot_strategies`; `awaited`: `start`'s)."""
     builder = ProblemBuilder(graph, mesh, dict(forced or {}), batch_size, comm_scale, buffers,
-                              dots)
+                              dots, awaited)
     builder.build()
     for pos, in_vid in ties:
         out = graph.outvars[pos]

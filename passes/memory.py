@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -125,8 +125,14 @@ def _select_and_scatter(graph: Graph, e) -> tuple[int, float] | None:
 EXPANDED: dict[str, Callable] = {"select_and_scatter_add": _select_and_scatter}
 
 
-def analyze(graph: Graph, *, cpu: bool = False) -> BufferInfo:
+def analyze(graph: Graph, *, cpu: bool = False,
+            awaited: Collection[int] = ()) -> BufferInfo:
     """Fusion, liveness and urgency of every value of `graph` (see the module docstring).
+
+    awaited: output value ids that work outside the program waits for as soon as they are
+    made (a pipeline layer's activations for the next layer, its input cotangents for the
+    layer before): urgent like a value a matmul reads, so their reductions are not
+    deferred into a combined bucket.
 
     A fusible equation (elementwise, layout change) is recomputed inside every consumer
     that can fuse it.  If all its consumers can, it has no buffer; if some cannot (a matmul,
@@ -204,8 +210,8 @@ def analyze(graph: Graph, *, cpu: bool = False) -> BufferInfo:
         found = EXPANDED[e.name](graph, e) if e.name in EXPANDED else None
         if found is not None:
             expansions.append((e.index, *found))
-    return BufferInfo(materialized, start, end, horizon, _urgent(graph), is_output, last,
-                      _inplace(graph, mode, materialized), readers, eqn_bytes,
+    return BufferInfo(materialized, start, end, horizon, _urgent(graph, awaited), is_output,
+                      last, _inplace(graph, mode, materialized), readers, eqn_bytes,
                       _cpu_broadcasts(graph, into_reduce, earliest, last), tuple(expansions))
 
 
@@ -261,9 +267,11 @@ def _start_indexed_from_inputs(graph: Graph, start: np.ndarray) -> None:
                 start[list(e.outputs)] = 0
 
 
-def _urgent(graph: Graph) -> np.ndarray:
-    """Per value: read, directly or through other values, by a critical equation."""
+def _urgent(graph: Graph, awaited: Collection[int] = ()) -> np.ndarray:
+    """Per value: read, directly or through other values, by a critical equation or awaited
+    outside the program (`analyze`)."""
     urgent = np.zeros(len(graph.values), bool)
+    urgent[list(awaited)] = True
     for e in reversed(graph.eqns):
         hot = primitives.info(e.name).critical or any(urgent[o] for o in e.outputs)
         if hot:

@@ -10,7 +10,7 @@ import copy
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -89,8 +89,10 @@ def peak_memory(problem: ShardingProblem, choice: Sequence[int]) -> float:
 class ProblemBuilder:
     def __init__(self, graph: Graph, mesh: MeshContext, forced: dict[int, Spec],
                  batch_size: int | None, comm_scale: Mapping[int, float] | None = None,
-                 buffers: mem.BufferInfo | None = None, dots: dict | None = None):
+                 buffers: mem.BufferInfo | None = None, dots: dict | None = None,
+                 awaited: Collection[int] = ()):
         self.graph = graph
+        self.awaited = frozenset(awaited)  # `memory.analyze`'s
         self.mesh = mesh
         self.forced = forced
         self.batch_size = batch_size
@@ -387,7 +389,8 @@ class ProblemBuilder:
     @property
     def buffers(self) -> mem.BufferInfo:
         if self._buffers is None:
-            self._buffers = mem.analyze(self.graph, cpu=cpu_buffers(self.mesh))
+            self._buffers = mem.analyze(self.graph, cpu=cpu_buffers(self.mesh),
+                                        awaited=self.awaited)
         return self._buffers
 
     def problem(self, memory_budget_bytes: float | None) -> ShardingProblem:

@@ -185,6 +185,10 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
     grad_outs = [op for op, vid in zip(fb.outvars[len(fb.outvars) - len(fn.diff_ids):],
                                        fn.diff_ids) if vid in params and isinstance(op, int)]
     scale, traffic = _accumulation(fb, grad_outs, num_micro_batches)
+    # What the layer hands on (activations forward, cotangents back) is read by the layers
+    # next to it as soon as it is made: only its parameters' gradients wait for the step's
+    # end, so only their reductions may be combined in buckets.
+    awaited = {op for op in fb.outvars if isinstance(op, int)} - set(grad_outs)
     param_fvs = [(fb.invars[k], graph.values[vid]) for k, vid in enumerate(f_ids)
                  if vid in params]   # (FB input, the parameter's graph value)
     param_inputs = param_fvs if update is not None or lean or memory_price else []
@@ -206,7 +210,7 @@ def start_price_stage(graph: Graph, program: pipeline.StageProgram, diff: set[in
             fb, mesh, forced=forced, batch_size=batch_size, solver=solver,
             time_limit_s=time_limit_s, comm_scale=scale, traffic=traffic,
             value_costs=updates, submit=submit, retry_time_limit_s=retry_time_limit_s,
-            builds=builds)))
+            builds=builds, awaited=awaited)))
     # The parameters' own work is priced apart from its update only without other charges
     # on their layouts (`_fixed_floor_s`), with the updates priced on the same mesh.
     plain = not (lean or memory_price or neighbours or batch_led)
