@@ -442,8 +442,8 @@ class BuildCache:
             if g is graph and m == mesh:
                 self.hits += 1
                 return base.fork()
-        # The buffer analysis reads the graph and the device kind only: one per graph and
-        # kind, whatever the mesh's shape.
+        # The buffer analysis reads the graph, the device kind and the awaited outputs
+        # only: one per graph, kind and awaited set, whatever the mesh's shape.
         bkey = (id(graph), cpu_buffers(mesh), awaited)
         found = self._buffers.get(bkey)
         shared = found[1] if found is not None and found[0] is graph else None

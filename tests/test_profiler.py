@@ -61,8 +61,8 @@ def test_fits_reproduce_their_own_samples_within_20_percent(quick):
     for key, fit in fits.items():
         rows = [s for s in result.samples
                 if (s["collective"], tuple(s["mesh_shape"]), s["axis"]) == key]
-        predicted = np.array([fit["alpha_s"] + factor(s["collective"], s["group_size"])
-                              * s["nbytes"] * fit["beta_s_per_byte"] for s in rows])
+        x = np.array([factor(s["collective"], s["group_size"]) * s["nbytes"] for s in rows])
+        predicted = fit["alpha_s"] + x * fit["beta_s_per_byte"]
         measured = np.array([s["seconds"] for s in rows])
         rel = np.abs(predicted - measured) / measured
         assert fit["alpha_s"] >= 0 and fit["beta_s_per_byte"] >= 0
@@ -71,7 +71,6 @@ def test_fits_reproduce_their_own_samples_within_20_percent(quick):
         # (alpha, beta) >= 0 prices them better. Four live timings per fit on a shared 2-core
         # machine can sit 40% off any line, so how close one fit comes is the machine's noise;
         # the bound below is on all fits together.
-        x = np.array([factor(s["collective"], s["group_size"]) * s["nbytes"] for s in rows])
         best = _relative_sse(fit["alpha_s"], fit["beta_s_per_byte"], x, measured)
         for da, db in ((1, 0), (-1, 0), (0, 1), (0, -1), (1, 1), (-1, -1), (1, -1), (-1, 1)):
             alpha = max(fit["alpha_s"] * (1 + 0.01 * da) + 1e-9 * max(da, 0), 0.0)
