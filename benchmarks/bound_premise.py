@@ -69,7 +69,7 @@ def run_model(seed: int, time_limit_s: float) -> dict:
                 counts.append({"count": count, "error": f"{type(err).__name__}: {err}"[:200]})
                 continue
             plans[count] = plan
-            counts.append({"count": count, "step_s": _layered_s(plan),
+            counts.append({"count": count, "step_s": pipeline_search.layered_step_s(plan),
                            "returned_s": float(plan.predicted.step_s),
                            "stages": len(plan.stages),
                            "search_s": round(time.perf_counter() - t0, 2)})
@@ -80,22 +80,16 @@ def run_model(seed: int, time_limit_s: float) -> dict:
         for c, plan in plans.items():
             bound = micro_batches.lower_bound_s([table], c)
             if bound is not None:
+                layered = pipeline_search.layered_step_s(plan)
                 pairs.append({"table": b, "count": c, "bound_s": float(bound),
-                              "plan_s": _layered_s(plan),
-                              "violation": bool(bound > _layered_s(plan) * (1 + TOLERANCE))})
+                              "plan_s": layered,
+                              "violation": bool(bound > layered * (1 + TOLERANCE))})
     for row in counts:   # the auto search's bound: every smaller count's table at once
         smaller = [t for b, t in tables.items() if b < row["count"]]
         if "step_s" in row and smaller:
             row["bound_over_plan"] = float(
                 micro_batches.lower_bound_s(smaller, row["count"]) / row["step_s"])
     return {"name": case.name, "seed": seed, "rows": rows, "counts": counts, "pairs": pairs}
-
-
-def _layered_s(plan) -> float:
-    """The step of the plan's layer solutions, the stages the premise is about: before the
-    search solved a stage's layers as one program (`Plan.solver["layered_step_s"]`), which
-    only lowers the plan it returns."""
-    return float(plan.solver.get("layered_step_s", plan.predicted.step_s))
 
 
 def markdown(models: list[dict], meta: dict, wall_s: float) -> str:

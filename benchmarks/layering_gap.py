@@ -47,8 +47,8 @@ def _predict(step, state, batch, method) -> tuple[float | None, float | None, fl
         plan = autopar.parallelize(step, method=method).get_plan(state, batch)
     except ValueError as err:   # a refusal the method documents (too few layers)
         return None, None, time.perf_counter() - t0, str(err).splitlines()[0][:160]
-    step_s = plan.predicted.step_s
-    return step_s, plan.solver.get("layered_step_s", step_s), time.perf_counter() - t0, ""
+    return (plan.predicted.step_s, autopar.pipeline_search.layered_step_s(plan),
+            time.perf_counter() - t0, "")
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -174,7 +174,7 @@ def _layered_s(plan: autopar.Plan) -> float:
     """The step of `plan`'s layer solutions, which the tables bound: before the assembly
     solved a stage's layers as one program (`SearchReport.layered_step_s`), which only
     lowers it."""
-    layered = plan.solver.get("layered_step_s", plan.predicted.step_s)
+    layered = pipeline_search.layered_step_s(plan)
     assert layered >= plan.predicted.step_s
     return layered
 

@@ -15,7 +15,7 @@ stage DP and the plan's assembly (DESIGN §5), one module per job:
   assembly; what it did goes in the plan as a `SearchReport`.
 """
 
-from .driver import SearchReport, StageChoices, recording, search
+from .driver import SearchReport, StageChoices, layered_step_s, recording, search
 from .layer_cost import LayerCost, diff_values, price_stage, start_price_stage
 from .layer_solutions import AFTER_NONE, AFTER_OWN, AFTER_TARGETS, AFTER_WHOLE
 from .stage_costs import StageCostTable
@@ -43,6 +43,7 @@ __all__ = [
     "gather_after_update_s",
     "internal_reshard_s",
     "knee_price",
+    "layered_step_s",
     "price_stage",
     "recording",
     "search",

@@ -9,7 +9,6 @@ stage's cost asks for them."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from autopar import pipeline
 from autopar.layer import LayerProgram
@@ -78,9 +77,11 @@ class LayerSolutions:
         self._neighbour_solves: dict[tuple, LayerCost | None] = {}
         self._updates: dict[tuple[int, tuple[int, int], tuple[int, ...], int], float] = {}
         # Per (first layer, last layer, sub-mesh, logical shape): the range as one program
-        # and its key; per key, its solution (or the call that waits for it).
+        # and its key; per key, the call that waits for its solution until `joint` asks,
+        # then the solution (as `_started` and `_cache` for layers).
         self._joint: dict[tuple, tuple[pipeline.StageProgram, tuple]] = {}
-        self._joint_solves: dict[tuple, Any] = {}
+        self._joint_started: dict[tuple, Callable[[], dict[tuple[int, ...], LayerCost]]] = {}
+        self._joint_solved: dict[tuple, dict[tuple[int, ...], LayerCost]] = {}
 
     @property
     def solves(self) -> int:
@@ -189,12 +190,12 @@ class LayerSolutions:
         ctx = self.ctx
         prog = pipeline.program_for_range(ctx.graph, ctx.ranges[i][0], ctx.ranges[j][1])
         key = (_program_key(ctx.graph, prog, ctx.diff), submesh, shape)
-        if key not in self._joint_solves:
+        if key not in self._joint_started and key not in self._joint_solved:
             if self._progress:
                 self._progress(f"stage ILP: layers {i}-{j} as one program on sub-mesh "
                                f"{submesh}, logical mesh {shape}")
             traced = LayerProgram.build(ctx.graph, prog, ctx.diff, remat=ctx.always_remat)
-            self._joint_solves[key] = self._start_ilps(prog, traced, submesh, 0, [shape])
+            self._joint_started[key] = self._start_ilps(prog, traced, submesh, 0, [shape])
         self._joint[(i, j, submesh, shape)] = (prog, key)
 
     def joint(self, i: int, j: int, submesh: tuple[int, int], shape: tuple[int, ...]
@@ -204,11 +205,11 @@ class LayerSolutions:
         `StageCosts.joint_alternatives`."""
         self.start_joint(i, j, submesh, shape)
         prog, key = self._joint[(i, j, submesh, shape)]
-        solved = self._joint_solves[key]
-        if callable(solved):
-            solved = {mesh: p for mesh, p in solved().items() if not p.penalized}
-            self._joint_solves[key] = solved
-        return prog, solved
+        if key not in self._joint_solved:
+            self._joint_solved[key] = {mesh: p for mesh, p
+                                       in self._joint_started.pop(key)().items()
+                                       if not p.penalized}
+        return prog, self._joint_solved[key]
 
     def knee(self, submesh: tuple[int, int]) -> float | None:
         """`knee_price` of the layers' time-optimal and lean solutions on `submesh` (every
