@@ -193,9 +193,22 @@ class Graph:
     def text(self) -> str:
         """A canonical text form of the program (for fingerprints)."""
         lines = [f"in {[(self.values[i].shape, str(self.values[i].dtype)) for i in self.invars]}"]
+        reprs: dict[tuple, str] = {}
+
+        def lit(value: Any) -> str:
+            # A program repeats few literals (1.0, 0, eps), and an array's repr is slow.
+            if not isinstance(value, np.ndarray):
+                return repr(value)
+            key = (type(value), value.dtype.str, value.shape,
+                   getattr(value, "weak_type", None), value.tobytes())
+            if key not in reprs:
+                reprs[key] = repr(value)
+            return reprs[key]
+
         for e in self.eqns:
             params = {k: v for k, v in sorted(e.params.items())}
-            ins = [f"v{op}" if isinstance(op, int) else f"lit({op.value!r})" for op in e.inputs]
+            ins = [f"v{op}" if isinstance(op, int) else f"lit({lit(op.value)})"
+                   for op in e.inputs]
             outs = [f"v{o}:{self.values[o].shape}{self.values[o].dtype}" for o in e.outputs]
             lines.append(f"{outs} = {e.name}{params} {ins}")
         outs = [op if isinstance(op, int) else repr(op.value) for op in self.outvars]

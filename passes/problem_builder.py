@@ -264,9 +264,6 @@ class ProblemBuilder:
         group = self.groups[gid]
         lead_specs = self.specs[lead_vid]
         self.nodes_before_merge += 1
-        out_specs: list[list[Spec]] = [[] for _ in eqn.outputs]
-        in_specs: list[list[Spec | None]] = [[] for _ in eqn.inputs]
-        compute, comm = np.zeros(group.num_strategies), np.zeros(group.num_strategies)
         # The rule's answer depends only on the leader's spec: once per distinct spec, and
         # for the table's own rules once per equation signature (`_follow_key`: repeated
         # blocks of a model repeat their equations).
@@ -274,32 +271,27 @@ class ProblemBuilder:
         shared: dict[Spec, tuple[st.FollowResult, float]] = (
             {} if key is None else self._follows.setdefault(key, {}))
         done: dict[Spec, tuple[st.FollowResult, float]] = {}
-        for i in range(group.num_strategies):
-            hit = done.get(lead_specs[i])
-            if hit is None and lead_specs[i] in shared:
-                hit = shared[lead_specs[i]]
+        for spec in dict.fromkeys(lead_specs):     # distinct, in strategy order
+            hit = shared.get(spec)
+            if hit is not None:
                 self.memo_hits["follow"] += 1
-            if hit is None:
+            else:
                 try:
-                    res = rule.follow(info, lead, lead_specs[i], self.mesh)
+                    res = rule.follow(info, lead, spec, self.mesh)
                     ok = True
                 except Exception:  # reported, with this equation's line, by _safe_follow
-                    res, ok = _safe_follow(rule, info, lead, lead_specs[i], self.mesh), False
+                    res, ok = _safe_follow(rule, info, lead, spec, self.mesh), False
                 shards = self.mesh.shards(res.out_specs[0]) if res.out_specs else 1
                 hit = (res, st.compute_s(info, shards, self.mesh))
                 if ok:
-                    shared[lead_specs[i]] = hit
-            done[lead_specs[i]] = hit
-            res, compute[i] = hit
-            for k, s in enumerate(res.out_specs):
-                out_specs[k].append(s)
-            for k, s in enumerate(res.in_specs):
-                in_specs[k].append(s)
-            comm[i] = res.comm_s
-        group.compute_s += compute
-        group.comm_s += comm
+                    shared[spec] = hit
+            done[spec] = hit
+        rows = [done[spec] for spec in lead_specs]   # per strategy of the group
+        group.compute_s += np.fromiter((c for _, c in rows), np.float64, len(rows))
+        group.comm_s += np.fromiter((r.comm_s for r, _ in rows), np.float64, len(rows))
+        in_specs = [[r.in_specs[k] for r, _ in rows] for k in range(len(eqn.inputs))]
         for k, vid in enumerate(eqn.outputs):
-            self.add_member(gid, vid, out_specs[k])
+            self.add_member(gid, vid, [r.out_specs[k] for r, _ in rows])
         for k, op in enumerate(eqn.inputs):
             # The leader's own re-layout (dropped axes) is priced by the rule's comm_s.
             if k != lead and isinstance(op, int) and op not in self.fixed:

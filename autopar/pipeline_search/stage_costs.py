@@ -267,8 +267,10 @@ class StageCosts:
 
     def _fitting(self, options: list[StageEstimate], in_flight: int, whole: bool
                  ) -> StageEstimate | None:
-        ok = [o for o in options if self.fits(o, in_flight, whole)]
-        return min(ok, key=lambda o: o.cost_s) if ok else None
+        # The fastest first (ties in the given order): the memory of the faster options
+        # only is estimated, where the first usually fits.
+        return next((o for o in sorted(options, key=lambda o: o.cost_s)
+                     if self.fits(o, in_flight, whole)), None)
 
     def fitting(self, i: int, j: int, submesh: tuple[int, int], in_flight: int
                 ) -> StageEstimate | None:
