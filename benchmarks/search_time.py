@@ -1,7 +1,7 @@
 """Plan-search wall time, trace included (issue: plan search in seconds).
 
     python -m benchmarks.search_time [--cases demo,demo-warm,gpt-1.3b,gpt-39b,...]
-                                     [--before REV] [--output-dir DIR]
+                                     [--repeat 3] [--before REV] [--output-dir DIR]
 
 Every case runs in a fresh Python process, as a user's new run would (`get_plan` / `autopar
 plan` from the first trace to the plan): the demo's GPT (`autopar demo`: GPT_TINY, batch 16,
@@ -12,7 +12,9 @@ cache, the same again with the cache the first run filled, GPT-1.3B on 2x8xA100-
 `num_micro_batches="auto"` (the counts it searched, and those its bound left out).  Each
 row gives wall and CPU seconds (the process and its solver workers), the plan's predicted
 step time, the load average of the machine when the
-case started (other jobs share its 2 cores) and the issue's figures ("today").  With
+case started (other jobs share its 2 cores) and the issue's figures ("today").  Each case
+runs `--repeat` times (3), each in a fresh process: the row is the run of median wall time,
+and lists every run's (the machine is shared; one run can be 15% off another).  With
 `--before REV` the same cases also run on that git revision of the package (exported to a
 temporary folder), side by side, for ratios measured under the same load.
 
@@ -147,10 +149,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="memory budget per device for the GPT cases (default: the "
                              "device's memory)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="fresh-process runs of each case; the row is the run of median "
+                             "wall time, every run's wall time listed (the machine is shared)")
     parser.add_argument("--output-dir", default=str(RESULTS))
     args = parser.parse_args(argv)
     cases = [c for c in args.cases.split(",") if c]
     unknown = set(cases) - set(CASES)
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}; valid: {', '.join(CASES)}")
     rows = []
@@ -159,19 +166,24 @@ def main(argv: list[str] | None = None) -> int:
         before_path = _export(args.before, tmp) if args.before else None
         cache = str(tmp / "cache")
         for case in cases:
-            if case != "demo-warm":
-                for old in pathlib.Path(cache).glob("*.json"):
-                    old.unlink()  # every case but the warm one starts cold
             budget = 2.0 ** 40 if case in LIFTED else args.budget
+            runs = []
+            for _ in range(args.repeat):
+                if case != "demo-warm":
+                    for old in pathlib.Path(cache).glob("*.json"):
+                        old.unlink()  # every case but the warm one starts cold
+                runs.append(_run(case, None, cache, budget, args.timeout))
             row = {"case": case, "today_s": TODAY_S[case], "goal_s": GOAL_S[case],
-                   "budget": budget, "after": _run(case, None, cache, budget, args.timeout)}
+                   "budget": budget, "after": _median_run(runs),
+                   "walls_s": [r.get("wall_s") for r in runs]}
             if before_path is not None and case not in ("demo-warm", "gpt-39b-auto"):
                 row["before"] = _run(case, before_path, "", budget, args.timeout)
             rows.append(row)
             print(json.dumps(row), flush=True)
     out = pathlib.Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {**stamp(), "before": args.before, "budget": args.budget, "cpus": os.cpu_count()}
+    meta = {**stamp(), "before": args.before, "budget": args.budget, "cpus": os.cpu_count(),
+            "repeat": args.repeat}
     (out / "search_time.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1)
                                          + "\n")
     (out / "search_time.md").write_text(_markdown(rows, meta))
@@ -179,18 +191,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median wall time (the lower of the two middle ones), else the first
+    failed run."""
+    done = sorted((r for r in runs if r.get("wall_s") is not None), key=lambda r: r["wall_s"])
+    return done[(len(done) - 1) // 2] if done else runs[0]
+
+
 def _markdown(rows: list[dict], meta: dict) -> str:
     lines = ["# Plan search time", "", stamp_markdown(meta), "",
              f"{meta['cpus']} cores shared with other jobs (load average in "
              f"the table); every case in a fresh process; wall = trace + search (or cache "
-             f"lookup); CPU = the process and its solver workers."
+             f"lookup); CPU = the process and its solver workers; each case run "
+             f"{meta.get('repeat', 1)} times, the row the run of median wall time, every "
+             f"run's wall in 'runs'."
              + (f" 'before' = git revision {meta['before']} in the same run."
                 if meta["before"] else "")
              + (f" Memory budget {meta['budget']:.3g} bytes per device."
                 if meta["budget"] else ""), "",
              "| case | goal (s) | today (s) | before: wall / CPU (s) | after: wall / CPU (s) | "
-             "load | predicted step before → after | plan |",
-             "|---|---|---|---|---|---|---|---|"]
+             "runs: wall (s) | load | predicted step before → after | plan |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         a, b = r["after"], r.get("before")
         step = lambda d: ("no plan" if d.get("error") else f"{d['step_s'] * 1e3:.3f} ms")
@@ -211,7 +232,9 @@ def _markdown(rows: list[dict], meta: dict) -> str:
         before = f"{_fmt(b.get('wall_s'))} / {_fmt(b.get('cpu_s'))}" if b else "-"
         lines.append(
             f"| {r['case']} | {r['goal_s']} | {_fmt(r['today_s'], 1)} | {before} | "
-            f"{_fmt(a.get('wall_s'))} / {_fmt(a.get('cpu_s'))} | {a.get('load', 0):.1f} | "
+            f"{_fmt(a.get('wall_s'))} / {_fmt(a.get('cpu_s'))} | "
+            f"{', '.join(_fmt(w) for w in r.get('walls_s', [a.get('wall_s')]))} | "
+            f"{a.get('load', 0):.1f} | "
             f"{step(b) + ' → ' if b else ''}{step(a)} | {plan} |")
     return "\n".join(lines) + "\n"
 
