@@ -389,7 +389,7 @@ def markdown(meta: dict, args: dict, infos: list[dict], rows: list[dict], t: dic
                          f"{c['max_compiled_over_budget']:.3f} | "
                          f"{c['max_compiled_over_planned']:.3f} |")
         lines.append("")
-    bad = [r for r in rows if r["outcome"] in ("drift", "differ", "error", "hang", "invalid")]
+    bad = [r for r in rows if r["outcome"] == "drift" or r["outcome"] in BAD]
     lines += ["## Not equal", ""]
     if not bad:
         lines.append("None.")

@@ -623,16 +623,21 @@ def _tight_record(par: Any, case: Case, budget: float) -> dict[str, Any]:
 _REFERENCES: dict[tuple[str, int, int], tuple] = {}
 
 
+def reference_step(case: Case, micro_batches: int) -> Callable:
+    """The jitted single-device step of `case`, averaging loss and gradients over
+    `micro_batches` strided micro-batches when > 1: the reference every method is held to."""
+    grad = (jax.value_and_grad if micro_batches == 1
+            else micro_batched_value_and_grad(micro_batches))
+    return jax.jit(case.make_step(grad))
+
 def reference(case: Case, micro_batches: int, steps: int = STEPS) -> tuple:
     """(final state, losses) of `steps` steps of the jitted step on the host (averaging
     over `micro_batches` strided micro-batches when > 1); once per case per process."""
     key = (case.name, micro_batches, steps)
     if key not in _REFERENCES:
-        grad = (jax.value_and_grad if micro_batches == 1
-                else micro_batched_value_and_grad(micro_batches))
         batches = [case.batch(i) for i in range(steps)]
         _REFERENCES[key] = jax.device_get(
-            run_steps(jax.jit(case.make_step(grad)), case.init(), batches))
+            run_steps(reference_step(case, micro_batches), case.init(), batches))
     return _REFERENCES[key]
 
 
@@ -691,7 +696,6 @@ def compare(ref: tuple, got: tuple, rtol: float, atol: float, init=None) -> dict
     return out
 
 
-
 def stepwise(case: Case, par: Any, micro_batches: int, steps: int = STEPS) -> dict:
     """Where a run differs from the reference's trajectory, whether its steps do: `par`
     runs `steps` steps from `case.init()` again, and each is compared (`compare`) with the
@@ -703,9 +707,7 @@ def stepwise(case: Case, par: Any, micro_batches: int, steps: int = STEPS) -> di
     calls that outcome "drift", not "differ" (conv_bn-92 under 2 stages, and under
     ShardParallel with the same 2 micro-batches alike: err/tol 47.4 after 3 steps, each step
     within 0.0035 of the tolerance)."""
-    grad = (jax.value_and_grad if micro_batches == 1
-            else micro_batched_value_and_grad(micro_batches))
-    ref_step = jax.jit(case.make_step(grad))
+    ref_step = reference_step(case, micro_batches)
     state, worst, where = case.init(), 0.0, None
     for i in range(steps):
         batch = case.batch(i)
@@ -717,6 +719,7 @@ def stepwise(case: Case, par: Any, micro_batches: int, steps: int = STEPS) -> di
         if where is None or res["err_over_tol"] > worst:
             worst, where = res["err_over_tol"], f"step {i}: {res['worst']}"
     return {"step_err_over_tol": worst, "step_worst": where}
+
 
 def movement(init_params, ref_params, rtol: float, atol: float) -> float:
     """The smallest over parameter leaves of max|ref - init| / max(atol + rtol·|ref|): how

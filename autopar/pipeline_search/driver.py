@@ -117,12 +117,12 @@ class SearchReport:
         return out
 
 
-
 def layered_step_s(plan: Plan) -> float:
     """Predicted step seconds of `plan`'s layer solutions, the stages a `StageCostTable`
     bounds: the step before the assembly solved a stage's layers as one program
     (`SearchReport.layered_step_s`, which that only lowers), else the plan's own."""
     return float(plan.solver.get("layered_step_s", plan.predicted.step_s))
+
 
 def search(split: pipeline.SplitStep, method: PipelineMethod,
            cluster: ClusterSpec, device_ids: Sequence[int], *, fp: str,
