@@ -50,6 +50,11 @@ from .passes import fallbacks
 from .pipeline import StageProgram, program_for_range
 from .plan import LayerPlan, StagePlan
 
+#: Most micro-batches `fused_step` writes out one after another in its program: the
+#: program grows (and its compile time) with each; more run as a loop over groups of
+#: this many.
+UNROLL = 8
+
 Ref = tuple[int, Any]
 """Where a residual comes from: (layer, fb value id) computed in the stage, or (-1, F id)
 for a stage input."""
@@ -492,7 +497,7 @@ class StageRunner:
 
     def _hoistable(self, vid: int) -> bool:
         """Whether the stage may make from static input `vid` a loop-invariant value XLA
-        would hoist out of `fused_step`'s loop and hold through the step: its layout splits
+        would hoist out of `fused_step`'s micro-batches and hold through the step: its layout splits
         it (a layer reading it whole all-gathers it) or the stage casts it.  A replicated
         input read as it is offers nothing to hoist; tying it to each micro-batch would
         only copy it (`t - 0`, twice per micro-batch), unpriced."""
@@ -505,12 +510,17 @@ class StageRunner:
     @functools.cached_property
     def fused_step(self):
         """The step of a one-stage pipeline under 1F1B as one program: (static inputs, batch
-        inputs in the stage's layout) → what `finalize` returns.  A loop over the
-        micro-batches (`fori_loop`: XLA runs them in order, so one micro-batch's residuals
-        are live at a time, as 1F1B promises; unrolled, its scheduler may run every forward
-        first and hold all of them), each micro-batch's forward then its backward into the
-        accumulators: the same layer programs and layouts as `forward` / `backward` /
-        `zeros` / `finalize`, launched once per step instead of 2N + 2 times."""
+        inputs in the stage's layout) → what `finalize` returns.  Each micro-batch's forward
+        then its backward into the accumulators, the same layer programs and layouts as
+        `forward` / `backward` / `zeros` / `finalize`, launched once per step instead of
+        2N + 2 times.  Micro-batches are written out one after another in groups of up to
+        `UNROLL`, a loop over the groups (`fori_loop`) when there are more: a loop over
+        single micro-batches made the step up to 1.2x slower than the same work written
+        out (benchmarks/results/runtime_overhead.md has the step times now), and the
+        written-out program compiles in time that grows with its length.  Inside a group,
+        each micro-batch's inputs are made to depend on the gradients the one before added
+        (`ordering.after`), so that one micro-batch's residuals are live at a time, as 1F1B
+        promises (else XLA may run several forwards first and hold all their residuals)."""
         acc_sh = self._acc_shardings
         micro_sh = [self.input_shardings[v] for v in self.micro_ids]
         n = self.num_micro_batches
@@ -523,14 +533,12 @@ class StageRunner:
                 out[k] = x
             return out
 
-        def one(m, static, batch, acc):
-            micro = [jax.lax.with_sharding_constraint(micro_slice(x, n, m), sh)
-                     for x, sh in zip(batch, micro_sh)]
-            # The static inputs made to depend on this micro-batch (loop-invariant, XLA
-            # would hoist their all-gathers and casts out of the loop and hold every
-            # layer's gathered or cast weights through the whole step); the backward's
-            # on the forward's last output, so that XLA does not merge the two (one copy
-            # of every weight held from the forward to the backward).
+        def one(static, micro, acc):
+            # The static inputs made to depend on this micro-batch (else XLA would hoist
+            # their all-gathers and casts out of the step and hold every layer's gathered
+            # or cast weights through the whole step); the backward's on the forward's last
+            # output, so that XLA does not merge the two (one copy of every weight held
+            # from the forward to the backward).
             _, _, saved = self._forward(
                 tie(static, [(x, self.input_specs[v]) for v, x in zip(self.micro_ids, micro)]),
                 micro)
@@ -540,9 +548,34 @@ class StageRunner:
             _, acc = self._backward(static, kept, saved, [], acc)
             return jax.lax.with_sharding_constraint(acc, acc_sh)
 
+        def added(acc) -> list[tuple[Any, Spec]]:
+            """The gradient accumulators with their layouts."""
+            return [(x, stacked_spec(self._grad_specs[v], axes) if axes else self._grad_specs[v])
+                    for v, parts in zip(self.param_ids, acc[0]) for axes, x in parts.items()]
+
+        group = max(g for g in range(1, min(n, UNROLL) + 1) if n % g == 0)
+
+        def run_group(k, static, batch, acc):
+            """Micro-batches k·group ... k·group + group - 1, one after another."""
+            for j in range(group):
+                micro = [jax.lax.with_sharding_constraint(micro_slice(x, n, k * group + j), sh)
+                         for x, sh in zip(batch, micro_sh)]
+                if j:
+                    # A micro-batch starts once the one before has added its gradients
+                    # (between groups the loop orders them).
+                    micro = ordering.after(
+                        [(x, self.input_specs[v]) for v, x in zip(self.micro_ids, micro)],
+                        added(acc), self.mesh)
+                acc = one(static, micro, acc)
+            return acc
+
         def step(static, batch):
             acc = jax.lax.with_sharding_constraint(self._zeros(), acc_sh)
-            acc = jax.lax.fori_loop(0, n, lambda m, a: one(m, static, batch, a), acc)
+            if group == n:
+                acc = run_group(0, static, batch, acc)
+            else:
+                acc = jax.lax.fori_loop(0, n // group,
+                                        lambda k, a: run_group(k, static, batch, a), acc)
             return self._finalize(acc)
 
         return jax.jit(step, in_shardings=(

@@ -436,14 +436,19 @@ def test_transfers_are_priced_and_non_differentiable_values_get_no_cotangent():
     assert set(second.act_ct_ids) < set(floats), (second.act_ct_ids, floats)
 
 
-def test_one_stage_1f1b_step_is_one_program():
+@pytest.mark.parametrize("micro_batches,group", [(4, 4), (16, 8)])
+def test_one_stage_1f1b_step_is_one_program(micro_batches, group):
     # One stage under 1F1B runs each micro-batch's forward then its backward: the runtime
-    # runs them (a loop), the accumulator reset and the reduction as one program per step (plus
-    # apply-grad), built from the same layer programs; GPipe keeps its schedule.
-    case = make_case("mlp", "sgd")
+    # runs them, the accumulator reset and the reduction as one program per step (plus
+    # apply-grad), built from the same layer programs; GPipe keeps its schedule.  Up to
+    # UNROLL (8) micro-batches are written out one after another; 16 run as a loop of two
+    # groups of 8.
+    from autopar.stage_runner import UNROLL
+    assert group == min(UNROLL, micro_batches)
+    case = mlp_case(batch=128, optimizer="sgd")
     state, batch = case.init()
     step = autopar.parallelize(case.step, method=autopar.PipeshardParallel(
-        num_micro_batches=4, num_stages=1, **FAST), cluster=cheap_comm_cluster())
+        num_micro_batches=micro_batches, num_stages=1, **FAST), cluster=cheap_comm_cluster())
     assert step.trace(state, batch).executable.fused
     compiled = step.lower(state, batch).compile()
     assert {name for name, *_ in compiled.programs()} <= {"step", "apply"}
@@ -453,18 +458,22 @@ def test_one_stage_1f1b_step_is_one_program():
     fused = hlo_audit.audit(stage.step, *mesh)
     total = lambda *progs: sum(sum(hlo_audit.audit(p, *mesh).bytes_by_kind().values())
                                for p in progs)
-    # The micro-batches run in a loop (one residual set live at a time, as 1F1B promises):
-    # its body's collectives run once per micro-batch and are those of one forward and one
-    # backward (XLA may merge some); the rest run once per step: the reduction, and the
-    # re-layouts of parameters XLA hoists out of the loop (at most the parameters' bytes).
-    assert {c.count for c in fused.collectives} <= {1, 4}, fused.summary()
-    per_micro = sum(c.nbytes for c in fused.collectives if c.count == 4)
-    per_step = sum(c.nbytes for c in fused.collectives if c.count == 1)
-    assert 0 < per_micro <= total(stage.forward, stage.backward) + 1e-6, fused.summary()
-    assert per_step <= total(stage.finalize) + _param_bytes(state), fused.summary()
-    assert_same_micro_batched_run(case, step, 4, **TOL)
+    # A loop's body runs micro_batches / group times; its collectives are those of `group`
+    # forwards and backwards (XLA may merge some).  The rest run once per step: the
+    # reduction, the re-layouts of parameters (at most the parameters' bytes) and, written
+    # out, every micro-batch's.
+    loops = micro_batches // group
+    assert {c.count for c in fused.collectives} <= {1, loops}, fused.summary()
+    per_micro = total(stage.forward, stage.backward)
+    if loops > 1:
+        in_loop = sum(c.nbytes for c in fused.collectives if c.count == loops)
+        assert 0 < in_loop <= group * per_micro + 1e-6, fused.summary()
+    assert 0 < sum(fused.bytes_by_kind().values()) <= (
+        micro_batches * per_micro + total(stage.finalize) + _param_bytes(state) + 1e-6), \
+        fused.summary()
+    assert_same_micro_batched_run(case, step, micro_batches, **TOL)
     gpipe = autopar.parallelize(case.step, method=autopar.PipeshardParallel(
-        num_micro_batches=4, num_stages=1, schedule="gpipe", **FAST),
+        num_micro_batches=micro_batches, num_stages=1, schedule="gpipe", **FAST),
         cluster=cheap_comm_cluster())
     assert not gpipe.trace(state, batch).executable.fused
 
