@@ -24,8 +24,11 @@ documented "cannot plan" ones: its type and message head); skip (a documented re
 4 stages on a model whose `mark_pipeline_boundary` cuts leave 3 layers); hang (the case
 ran past `--timeout-s`: its worker is killed and the rest of the case is not run); invalid
 (the reference run itself is not finite).  Every `FallbackWarning` is recorded and tallied
-by stage and primitive.  Cases run in worker processes (`--jobs` at a time, each fresh
-every RECYCLE cases) so that a hang or a crash is counted, not fatal.
+by stage and primitive, and so is every re-layout XLA's partitioner does by replicating the
+value whole (its "Involuntary full rematerialization" warning, read from the worker's
+stderr, `cost_model.compile_log`: the value and the two layouts).  Cases run in worker
+processes (`--jobs` at a time, each fresh every RECYCLE cases) so that a hang or a crash is
+counted, not fatal.
 
 Prints the tally and writes benchmarks/results/fuzz.md and fuzz.json (stamped with the
 commit and the command).  Exit status 1 when any case differs, errors, hangs or is invalid.
@@ -55,6 +58,9 @@ FAMILIES = ("mlp", "attention", "conv_bn", "moe", "tied_embed", "scan")  # gener
 OUTCOMES = ("equal", "drift", "differ", "error", "hang", "skip", "invalid", "not run")
 BAD = ("differ", "error", "hang", "invalid")
 RECYCLE = 20   # cases per worker process (bounds what XLA's caches hold)
+#: What XLA's SPMD partitioner logs when it reshards a value by replicating it whole and
+#: slicing it: a re-layout the plan priced as collectives on parts of the value.
+FULL_REMAT = "Involuntary full rematerialization"
 
 
 # ------------------------------------------------------------------------------ worker
@@ -69,6 +75,8 @@ def _worker(conn) -> None:
 
     jax.config.update("jax_num_cpu_devices", 8)
     import generated
+
+    from autopar.cost_model import compile_log
 
     while True:
         task = conn.recv()
@@ -92,18 +100,29 @@ def _worker(conn) -> None:
         conn.send(("case", {"case": case.name, "seed": case.seed, "family": case.family,
                             "config": dict(case.config)}))
         for name in task["methods"]:
-            try:
-                row = generated.check(case, name, time_limit_s=task["time_limit_s"],
-                                      comm_name=task["comm"])
-            except Exception as err:  # the reference itself failed: the generator's fault
-                row = {"case": case.name, "family": case.family, "seed": case.seed,
-                       "method": name, "outcome": "invalid", "fallbacks": [],
-                       "fallback_keys": [], "seconds": 0.0,
-                       "error": f"reference: {type(err).__name__}: {str(err)[:300]}"}
+            with compile_log.captured_fd2() as logged:
+                try:
+                    row = generated.check(case, name, time_limit_s=task["time_limit_s"],
+                                          comm_name=task["comm"])
+                except Exception as err:  # the reference itself failed: the generator's
+                    row = {"case": case.name, "family": case.family, "seed": case.seed,
+                           "method": name, "outcome": "invalid", "fallbacks": [],
+                           "fallback_keys": [], "seconds": 0.0,
+                           "error": f"reference: {type(err).__name__}: {str(err)[:300]}"}
+            row["full_remats"] = full_remats(logged[0] if logged else "")
             conn.send(("result", row))
         generated.clear_references()
         jax.clear_caches()
         conn.send(("done", time.perf_counter() - t0))
+
+
+def full_remats(log: str) -> list[str]:
+    """Each of XLA's full-rematerialization warnings in `log` (`compile_log.parse`), as
+    "operation shape: from → to"."""
+    from autopar.cost_model import compile_log
+
+    return [f"{r.operation} {r.shape}: {r.source} → {r.target}"
+            for r in compile_log.parse(log).rematerializations]
 
 
 class _Slot:
@@ -266,6 +285,8 @@ def tally(rows: list[dict], methods: Sequence[str]) -> dict:
     errors: collections.Counter = collections.Counter()
     fallback_runs: collections.Counter = collections.Counter()
     fallback_where: dict[str, set] = collections.defaultdict(set)
+    remat_runs: collections.Counter = collections.Counter()
+    remat_count: collections.Counter = collections.Counter()
     for r in rows:
         by_method.setdefault(r["method"], collections.Counter())[r["outcome"]] += 1
         by_family[r["family"]][r["outcome"]] += 1
@@ -275,6 +296,9 @@ def tally(rows: list[dict], methods: Sequence[str]) -> dict:
         for key in r.get("fallback_keys", []):
             fallback_runs[key] += 1
             fallback_where[key].add(r["method"])
+        if r.get("full_remats"):
+            remat_runs[r["method"]] += 1
+            remat_count[r["method"]] += len(r["full_remats"])
     equal = [r for r in rows if r["outcome"] == "equal"]
     moves = [r["move_over_tol"] for r in rows
              if r["outcome"] in ("equal", "drift", "differ")
@@ -294,6 +318,8 @@ def tally(rows: list[dict], methods: Sequence[str]) -> dict:
         "min_move_over_tol": min(moves, default=None),
         "median_move_over_tol": sorted(moves)[len(moves) // 2] if moves else None,
         "tight": tight_tally(rows),
+        "full_remats": {m: {"runs": remat_runs[m], "warnings": remat_count[m]}
+                        for m in by_method if remat_runs[m]},
     }
 
 
@@ -415,6 +441,22 @@ def markdown(meta: dict, args: dict, infos: list[dict], rows: list[dict], t: dic
         lines += ["| fallback | runs | methods |", "|---|---|---|"]
         for f in t["fallbacks"]:
             lines.append(f"| {f['fallback']} | {f['runs']} | {', '.join(f['methods'])} |")
+    lines += ["", "## XLA full rematerializations, by method", "",
+              f"Runs whose compiled programs made XLA's SPMD partitioner log \"{FULL_REMAT}\":"
+              " it re-laid a value out by replicating it whole and slicing it, where the "
+              "plan priced collectives on parts of it (correct, not the plan that was "
+              "priced).", ""]
+    remats = [r for r in rows if r.get("full_remats")]
+    if not remats:
+        lines.append("None.")
+    else:
+        lines += ["| method | runs | warnings |", "|---|---|---|"]
+        for m, c in t["full_remats"].items():
+            lines.append(f"| {m} | {c['runs']} | {c['warnings']} |")
+        lines += ["", "| case | method | HLO value: from → to |", "|---|---|---|"]
+        for r in remats:
+            lines.append(f"| {r['case']} | {r['method']} | "
+                         + "; ".join(x.replace("|", "/") for x in r["full_remats"]) + " |")
     lines += ["", f"Cases and configs: {args.get('name', 'fuzz')}.json (`cases`); every "
               f"run: `rows`.", ""]
     return "\n".join(lines)

@@ -48,6 +48,7 @@ import os
 import warnings
 
 import generated
+import jax
 import pytest
 
 import autopar
@@ -181,3 +182,27 @@ def test_tight_runs_are_tallied():
     assert t == {"pipeshard-2-tight": {
         "planned": 2, "remat_runs": 1, "remat_layers": 2, "layers": 7, "over_budget": 1,
         "max_compiled_over_budget": 1.05, "max_compiled_over_planned": 1.1}}
+
+
+def test_xla_full_rematerializations_are_caught():
+    # The fuzz counts the re-layouts XLA does by replicating a value whole, from each run's
+    # captured XLA log: a move of two mesh axes onto another dim is one.
+    import numpy as np
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from autopar.cost_model import compile_log
+    from benchmarks import fuzz
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"),
+                axis_types=(AxisType.Auto,) * 2)
+    x = jax.device_put(np.ones((4, 4, 8), np.float32), NamedSharding(mesh, P("y", "x", None)))
+    moved = jax.jit(lambda a: jax.lax.with_sharding_constraint(
+        a * 2, NamedSharding(mesh, P(None, None, ("x", "y")))))
+    with compile_log.captured_fd2() as logged:
+        np.testing.assert_array_equal(moved(x), 2 * np.ones((4, 4, 8)))
+    (found,) = fuzz.full_remats(logged[0])
+    assert "→ {devices=[1,1,8]" in found, found
+    with compile_log.captured_fd2() as logged:
+        jax.jit(lambda a: a + 1)(x).block_until_ready()
+    assert fuzz.full_remats(logged[0]) == []
