@@ -59,7 +59,7 @@ OUTCOMES = ("equal", "drift", "differ", "error", "hang", "skip", "invalid", "not
 BAD = ("differ", "error", "hang", "invalid")
 RECYCLE = 20   # cases per worker process (bounds what XLA's caches hold)
 #: What XLA's SPMD partitioner logs when it reshards a value by replicating it whole and
-#: slicing it: a re-layout the plan priced as collectives on parts of the value.
+#: slicing it.
 FULL_REMAT = "Involuntary full rematerialization"
 
 
@@ -443,9 +443,12 @@ def markdown(meta: dict, args: dict, infos: list[dict], rows: list[dict], t: dic
             lines.append(f"| {f['fallback']} | {f['runs']} | {', '.join(f['methods'])} |")
     lines += ["", "## XLA full rematerializations, by method", "",
               f"Runs whose compiled programs made XLA's SPMD partitioner log \"{FULL_REMAT}\":"
-              " it re-laid a value out by replicating it whole and slicing it, where the "
-              "plan priced collectives on parts of it (correct, not the plan that was "
-              "priced).", ""]
+              " it re-laid a value out by all-gathering it whole and slicing it (correct). "
+              "The planner prices a move of several mesh axes between dims as all-gathers "
+              "down to the axes that stay (`sharding_spec.reshard_steps`), so the warning "
+              "costs more than was priced only where some axis stays; either way the "
+              "emitter meant to route the move (`constraints`: `gather_first`) and did not "
+              "reach this one.", ""]
     remats = [r for r in rows if r.get("full_remats")]
     if not remats:
         lines.append("None.")
