@@ -110,6 +110,10 @@ def parts() -> list[Part]:
     out.append(Part("fuzz-seeds-75-149", (("benchmarks.fuzz", "--cases", "75", "--seed", "75",
                                            "--name", "fuzz-seeds-75-149"),),
                     ("fuzz-seeds-75-149.md", "fuzz-seeds-75-149.json")))
+    # About 45 min on 2 cores: seeds 150-224.
+    out.append(Part("fuzz-seeds-150-224", (("benchmarks.fuzz", "--cases", "75", "--seed",
+                                            "150", "--name", "fuzz-seeds-150-224"),),
+                    ("fuzz-seeds-150-224.md", "fuzz-seeds-150-224.json")))
     # About 45 min on 2 cores (12 generated cases, each under 3 memory-bound pipelines).
     out.append(Part("fuzz_tight", (("benchmarks.fuzz", "--cases", "12", "--methods",
                                     "pipeshard-1-tight,pipeshard-2-tight,pipeshard-4-tight",
