@@ -26,9 +26,9 @@ ran past `--timeout-s`: its worker is killed and the rest of the case is not run
 (the reference run itself is not finite).  Every `FallbackWarning` is recorded and tallied
 by stage and primitive, and so is every re-layout XLA's partitioner does by replicating the
 value whole (its "Involuntary full rematerialization" warning, read from the worker's
-stderr, `cost_model.compile_log`: the value and the two layouts).  Cases run in worker
-processes (`--jobs` at a time, each fresh every RECYCLE cases) so that a hang or a crash is
-counted, not fatal.
+stderr, `cost_model.compile_log`: the value, the two layouts, and whether it moves what
+the plan priced, `as_priced`).  Cases run in worker processes (`--jobs` at a time, each
+fresh every RECYCLE cases) so that a hang or a crash is counted, not fatal.
 
 Prints the tally and writes benchmarks/results/fuzz.md and fuzz.json (stamped with the
 commit and the command).  Exit status 1 when any case differs, errors, hangs or is invalid.
@@ -42,6 +42,7 @@ import math
 import multiprocessing as mp
 import os
 import pathlib
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -123,6 +124,33 @@ def full_remats(log: str) -> list[str]:
 
     return [f"{r.operation} {r.shape}: {r.source} → {r.target}"
             for r in compile_log.parse(log).rematerializations]
+
+
+def _split_dims(sharding: str) -> set[int] | None:
+    """The dims an XLA sharding string ("{devices=[4,2,1]<=[2,4]T(1,0)}", "{replicated}")
+    splits; None when it does not parse."""
+    if "replicated" in sharding and "devices=" not in sharding:
+        return set()
+    m = re.search(r"devices=\[([\d,]+)\]", sharding)
+    if m is None:
+        return None
+    tiles = [int(n) for n in m.group(1).split(",")]
+    if "last_tile_dim_replicate" in sharding:
+        tiles = tiles[:-1]
+    return {d for d, n in enumerate(tiles) if n > 1}
+
+
+def as_priced(warning: str) -> bool:
+    """Whether a `full_remats` entry moves no more than the plan priced: no dim is split in
+    both layouts, so every split leaves its dim, the planner's all-gathers (`reshard_steps`,
+    down to `gather_first`) reach the replicated value too, and XLA's replicate-and-slice
+    moves the same bytes.  False when some dim is split in both (XLA gathers what the plan
+    would have kept split) or the layouts do not parse."""
+    m = re.search(r": (\{.*?\}) → (\{.*?\})$", warning)
+    if m is None:
+        return False
+    src, dst = _split_dims(m.group(1)), _split_dims(m.group(2))
+    return src is not None and dst is not None and not src & dst
 
 
 class _Slot:
@@ -287,6 +315,7 @@ def tally(rows: list[dict], methods: Sequence[str]) -> dict:
     fallback_where: dict[str, set] = collections.defaultdict(set)
     remat_runs: collections.Counter = collections.Counter()
     remat_count: collections.Counter = collections.Counter()
+    remat_priced: collections.Counter = collections.Counter()
     for r in rows:
         by_method.setdefault(r["method"], collections.Counter())[r["outcome"]] += 1
         by_family[r["family"]][r["outcome"]] += 1
@@ -299,6 +328,7 @@ def tally(rows: list[dict], methods: Sequence[str]) -> dict:
         if r.get("full_remats"):
             remat_runs[r["method"]] += 1
             remat_count[r["method"]] += len(r["full_remats"])
+            remat_priced[r["method"]] += sum(map(as_priced, r["full_remats"]))
     equal = [r for r in rows if r["outcome"] == "equal"]
     moves = [r["move_over_tol"] for r in rows
              if r["outcome"] in ("equal", "drift", "differ")
@@ -318,7 +348,8 @@ def tally(rows: list[dict], methods: Sequence[str]) -> dict:
         "min_move_over_tol": min(moves, default=None),
         "median_move_over_tol": sorted(moves)[len(moves) // 2] if moves else None,
         "tight": tight_tally(rows),
-        "full_remats": {m: {"runs": remat_runs[m], "warnings": remat_count[m]}
+        "full_remats": {m: {"runs": remat_runs[m], "warnings": remat_count[m],
+                            "as_priced": remat_priced[m]}
                         for m in by_method if remat_runs[m]},
     }
 
@@ -445,21 +476,23 @@ def markdown(meta: dict, args: dict, infos: list[dict], rows: list[dict], t: dic
               f"Runs whose compiled programs made XLA's SPMD partitioner log \"{FULL_REMAT}\":"
               " it re-laid a value out by all-gathering it whole and slicing it (correct). "
               "The planner prices a move of several mesh axes between dims as all-gathers "
-              "down to the axes that stay (`sharding_spec.reshard_steps`), so the warning "
-              "costs more than was priced only where some axis stays; either way the "
-              "emitter meant to route the move (`constraints`: `gather_first`) and did not "
-              "reach this one.", ""]
+              "down to the axes that stay (`sharding_spec.reshard_steps`): as priced, a "
+              "warning where no dim is split in both layouts moves the bytes the plan "
+              "priced (`as_priced`); one where a dim is split in both may gather more. "
+              "Either way the emitter did not route this move through `gather_first`.", ""]
     remats = [r for r in rows if r.get("full_remats")]
     if not remats:
         lines.append("None.")
     else:
-        lines += ["| method | runs | warnings |", "|---|---|---|"]
+        lines += ["| method | runs | warnings | as priced |", "|---|---|---|---|"]
         for m, c in t["full_remats"].items():
-            lines.append(f"| {m} | {c['runs']} | {c['warnings']} |")
+            lines.append(f"| {m} | {c['runs']} | {c['warnings']} | {c['as_priced']} |")
         lines += ["", "| case | method | HLO value: from → to |", "|---|---|---|"]
         for r in remats:
             lines.append(f"| {r['case']} | {r['method']} | "
-                         + "; ".join(x.replace("|", "/") for x in r["full_remats"]) + " |")
+                         + "; ".join(x.replace("|", "/") + ("" if as_priced(x) else
+                                                              " (a dim split in both)")
+                                     for x in r["full_remats"]) + " |")
     lines += ["", f"Cases and configs: {args.get('name', 'fuzz')}.json (`cases`); every "
               f"run: `rows`.", ""]
     return "\n".join(lines)

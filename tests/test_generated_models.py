@@ -206,3 +206,21 @@ def test_xla_full_rematerializations_are_caught():
     with compile_log.captured_fd2() as logged:
         jax.jit(lambda a: a + 1)(x).block_until_ready()
     assert fuzz.full_remats(logged[0]) == []
+
+
+def test_full_rematerializations_are_told_priced_or_not():
+    # No dim split in both layouts: XLA's replicate-and-slice moves what the plan's
+    # all-gathers priced; a dim split in both (or layouts that do not parse): it may not.
+    from benchmarks import fuzz
+
+    priced = "copy f32[2,2,64]: {devices=[4,2,1]<=[2,4]T(1,0)} → {devices=[1,1,8]<=[8]}"
+    kept = "param f32[4,8]: {devices=[2,4]<=[8]} → {devices=[4,2]<=[8]}"
+    partial = ("sharding_constraint f32[16,4,1,16]: {devices=[1,1,4,1]<=[4]} → "
+               "{devices=[2,1,1,1,2]<=[2,2]T(1,0) last_tile_dim_replicate}")
+    assert fuzz.as_priced(priced) and fuzz.as_priced(partial)
+    assert not fuzz.as_priced(kept) and not fuzz.as_priced("param f32[4]: ? → ?")
+    rows = [{"method": "pipeshard-2", "outcome": "skip", "family": "attention",
+             "full_remats": [priced, kept]},
+            {"method": "pipeshard-2", "outcome": "skip", "family": "mlp", "full_remats": []}]
+    t = fuzz.tally(rows, ["pipeshard-2"])
+    assert t["full_remats"] == {"pipeshard-2": {"runs": 1, "warnings": 2, "as_priced": 1}}
