@@ -63,14 +63,16 @@ def _stage_memory(mode: str) -> dict:
 def test_stage_backward_holds_one_layer_at_a_time(mode):
     # 8 remat GPT blocks, one device, XLA:CPU's memory scheduler (the suite audit's).
     # Untied, XLA computes the weight gradients after the whole cotangent chain and holds
-    # every layer's activations: measured 2.2x the planner's stage memory.
+    # every layer's activations: measured 1.49x the planner's stage memory with the two
+    # micro-batches written out one after another (2.2x when they ran in a loop); tied,
+    # 1.13x.
     m = _stage_memory(mode)
     assert m["layers"] >= 4, m
     ratio = m["compiled"] / m["planned"]
     if mode == "tied":
         assert ratio <= 1.25, m
     else:
-        assert ratio > 1.5, m   # the test would see a lost tie
+        assert ratio > 1.35, m   # the test would see a lost tie
 
 
 def test_after_changes_no_value_and_moves_no_data():
