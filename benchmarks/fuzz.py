@@ -491,7 +491,7 @@ def markdown(meta: dict, args: dict, infos: list[dict], rows: list[dict], t: dic
         for r in remats:
             lines.append(f"| {r['case']} | {r['method']} | "
                          + "; ".join(x.replace("|", "/") + ("" if as_priced(x) else
-                                                              " (a dim split in both)")
+                                                              " (not as priced)")
                                      for x in r["full_remats"]) + " |")
     lines += ["", f"Cases and configs: {args.get('name', 'fuzz')}.json (`cases`); every "
               f"run: `rows`.", ""]
