@@ -332,12 +332,14 @@ class StageRunner:
         """The accumulators' layouts: each gradient as its layer's plan computes it (partial
         sums stacked on a leading axis), so that adding a micro-batch's gradient moves no
         data; `finalize` reduces and lays them out as the parameters once per step."""
-        out = []
-        for v in self.param_ids:
-            spec = self._grad_specs[v]
-            out.append({axes: NamedSharding(self.mesh, to_pspec(
-                stacked_spec(spec, axes) if axes else spec)) for axes in self._grad_parts[v]})
-        return out
+        return [{axes: NamedSharding(self.mesh, to_pspec(self._acc_spec(v, axes)))
+                 for axes in self._grad_parts[v]} for v in self.param_ids]
+
+    def _acc_spec(self, vid: int, axes: tuple[str, ...]) -> Spec:
+        """The layout of parameter `vid`'s accumulator part kept unreduced over `axes`
+        (`()`: the reduced part, in the gradient's own layout)."""
+        spec = self._grad_specs[vid]
+        return stacked_spec(spec, axes) if axes else spec
 
     # ---- the programs -----------------------------------------------------------------------
 
@@ -447,11 +449,9 @@ class StageRunner:
         ct_specs = layer.ct_specs or (None,) * len(in_cts)
         for i, (v, g) in enumerate(zip(layer.program.fn.diff_ids, in_cts)):
             if v in totals:
-                spec = self._grad_specs[v]
                 for axes, x in as_grad_sum(g).parts.items():
                     totals[v][axes] = totals[v][axes] + x
-                    sources.append((totals[v][axes],
-                                    stacked_spec(spec, axes) if axes else spec))
+                    sources.append((totals[v][axes], self._acc_spec(v, axes)))
                 out[i] = None
             elif tie and not isinstance(g, GradSum):
                 targets.append((g, ct_specs[i]))
@@ -550,7 +550,7 @@ class StageRunner:
 
         def added(acc) -> list[tuple[Any, Spec]]:
             """The gradient accumulators with their layouts."""
-            return [(x, stacked_spec(self._grad_specs[v], axes) if axes else self._grad_specs[v])
+            return [(x, self._acc_spec(v, axes))
                     for v, parts in zip(self.param_ids, acc[0]) for axes, x in parts.items()]
 
         group = max(g for g in range(1, min(n, UNROLL) + 1) if n % g == 0)

@@ -630,6 +630,7 @@ def reference_step(case: Case, micro_batches: int) -> Callable:
             else micro_batched_value_and_grad(micro_batches))
     return jax.jit(case.make_step(grad))
 
+
 def reference(case: Case, micro_batches: int, steps: int = STEPS) -> tuple:
     """(final state, losses) of `steps` steps of the jitted step on the host (averaging
     over `micro_batches` strided micro-batches when > 1); once per case per process."""
